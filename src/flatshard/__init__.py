@@ -1,0 +1,1 @@
+"""flatshard: Fully Sharded Data Parallel (ZeRO-3) training for PyTorch."""
