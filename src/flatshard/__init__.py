@@ -1,1 +1,21 @@
-"""flatshard: Fully Sharded Data Parallel (ZeRO-3) training for PyTorch."""
+"""flatshard: Fully Sharded Data Parallel (ZeRO-3) training for PyTorch.
+
+Parameters live in one flat buffer per unit; each rank owns a slice of it and the optimizer
+steps on that slice. See ``fs.shard``.
+"""
+
+from . import wrap
+from .api import ShardingStrategy, shard
+from .grad_norm import clip_grad_norm_
+from .state_dict import full_state_dict, load_full_state_dict, summon_full_params
+
+__all__ = [
+    "ShardingStrategy",
+    "clip_grad_norm_",
+    "full_state_dict",
+    "load_full_state_dict",
+    "shard",
+    "summon_full_params",
+    "wrap",
+]
+__version__ = "0.1.0"

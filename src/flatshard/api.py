@@ -1,0 +1,182 @@
+"""``fs.shard``: turn a module into a fully sharded one, in place."""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import hooks
+from .collectives import CommStats
+from .fingerprint import check_ranks_agree
+from .mesh import compute_device, require_initialized, shard_group
+from .state import ShardedState
+from .unit import Unit
+from .wrap import Policy, WrapPlan, build_plan
+
+STATE_ATTR = "_flatshard_state"
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class ShardingStrategy(str, enum.Enum):
+    FULL_SHARD = "full_shard"  # ZeRO-3: reshard parameters after forward
+    SHARD_GRAD_OP = "shard_grad_op"  # ZeRO-2: keep them gathered until the unit's backward
+    NO_SHARD = "no_shard"  # DDP semantics
+    HYBRID_SHARD = "hybrid_shard"  # shard within a group, replicate across groups
+
+
+IMPLEMENTED_STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)
+
+
+def shard(
+    model: nn.Module,
+    *,
+    policy: Policy | None = None,
+    strategy: str | ShardingStrategy = "full_shard",
+    mixed_precision=None,
+    offload=None,
+    mesh=None,
+    timeout_s: float | None = None,
+) -> nn.Module:
+    """Shard ``model``'s parameters over ``mesh`` (default: all ranks) and return it.
+
+    ``policy`` picks the modules that become units (``fs.wrap.by_type``, ``fs.wrap.by_size`` or
+    any ``callable(module) -> bool``); the rest belongs to the root unit. After this call
+    ``model.named_parameters()`` yields, under the original names, this rank's 1-D fragment of
+    every parameter: build the optimizer afterwards. ``timeout_s`` bounds every wait on a
+    collective (default: ``$FLATSHARD_TIMEOUT_S`` or 600 s).
+    """
+    strategy = _check_arguments(model, strategy, mixed_precision, offload)
+    require_initialized()
+    group = shard_group(mesh)
+    plan = build_plan(model, policy)
+    if policy is not None and not plan.matched_any:
+        raise ValueError(
+            f"policy={policy!r} matched no module of {type(model).__name__}; check the class "
+            "names or sizes it selects (everything would fall into one root unit)"
+        )
+    _check_no_meta(model)
+    device = compute_device(group)
+    check_ranks_agree(_describe(model, plan, strategy), group)
+    state = _build_state(model, plan, strategy, group, device, _timeout(timeout_s))
+    for buf_module in model.modules():
+        for name, buf in buf_module._buffers.items():
+            if buf is not None and buf.device != device:
+                buf_module._buffers[name] = buf.to(device)
+    state.hook_handles = hooks.register_hooks(state)
+    setattr(model, STATE_ATTR, state)
+    return model
+
+
+def get_state(model: nn.Module) -> ShardedState:
+    """The ``ShardedState`` of a sharded model; ``ValueError`` if ``fs.shard`` was not called."""
+    state = getattr(model, STATE_ATTR, None)
+    if state is None:
+        raise ValueError(
+            f"{type(model).__name__} is not sharded: call fs.shard(model) first and pass the "
+            "module it returns"
+        )
+    return state
+
+
+def _check_arguments(model, strategy, mixed_precision, offload) -> ShardingStrategy:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fs.shard(model=...) got a {type(model).__name__}; pass a torch.nn.Module")
+    for name, sub in model.named_modules():
+        if hasattr(sub, STATE_ATTR):
+            where = f"its submodule {name!r}" if name else "it"
+            raise ValueError(
+                f"{type(model).__name__} is already sharded ({where} went through fs.shard); "
+                "call fs.shard once, on the root module, with a policy for the inner units"
+            )
+    try:
+        parsed = ShardingStrategy(strategy)
+    except ValueError:
+        choices = ", ".join(repr(s.value) for s in ShardingStrategy)
+        raise ValueError(f"strategy={strategy!r} is unknown; choose one of {choices}") from None
+    if parsed not in IMPLEMENTED_STRATEGIES:
+        raise NotImplementedError(
+            f"strategy={parsed.value!r} is not available yet in this version of flatshard; "
+            "use 'full_shard' or 'shard_grad_op'"
+        )
+    if mixed_precision is not None or offload is not None:
+        raise NotImplementedError(
+            "mixed_precision= and offload= are not available yet in this version of flatshard"
+        )
+    return parsed
+
+
+def _check_no_meta(model: nn.Module) -> None:
+    for name, p in model.named_parameters():
+        if p.device.type == "meta":
+            raise ValueError(
+                f"parameter {name!r} is on the meta device and has no data to shard; "
+                "materialise the model first (model.to_empty(device=...) then initialise it)"
+            )
+
+
+def _timeout(timeout_s: float | None) -> datetime.timedelta:
+    seconds = (
+        timeout_s
+        if timeout_s is not None
+        else float(os.environ.get("FLATSHARD_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    )
+    if seconds <= 0:
+        raise ValueError(f"timeout_s={seconds!r} must be positive (seconds to wait on a peer)")
+    return datetime.timedelta(seconds=seconds)
+
+
+def _describe(model: nn.Module, plan: WrapPlan, strategy: ShardingStrategy) -> list[str]:
+    unit_names = {id(m): n or "<root>" for n, m in model.named_modules() if m in plan.unit_modules}
+    lines = [f"strategy={strategy.value}"]
+    lines += [f"unit {unit_names[id(m)]}" for m in plan.unit_modules]
+    for name, p in model.named_parameters():
+        lines.append(f"param {name} {tuple(p.shape)} {p.dtype} grad={p.requires_grad}")
+    for name, b in model.named_buffers():
+        lines.append(f"buffer {name} {tuple(b.shape)} {b.dtype}")
+    return lines
+
+
+def _build_state(
+    model: nn.Module,
+    plan: WrapPlan,
+    strategy: ShardingStrategy,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    timeout: datetime.timedelta,
+) -> ShardedState:
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    owned: list[list[nn.Parameter]] = [[] for _ in plan.unit_modules]
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is None:
+                continue
+            if id(p) not in slots:
+                owned[plan.owner[id(p)]].append(p)
+            slots.setdefault(id(p), []).append((module, name))
+    stats = CommStats()
+    units = []
+    for index, (module, params) in enumerate(zip(plan.unit_modules, owned, strict=True)):
+        if not params:
+            continue
+        is_root = module is model
+        reshard = strategy is ShardingStrategy.FULL_SHARD and not is_root
+        unit = Unit(
+            len(units),
+            module,
+            params,
+            slots,
+            group=group,
+            device=device,
+            stats=stats,
+            reshard_after_forward=reshard,
+        )
+        del index
+        units.append(unit)
+    return ShardedState(
+        units, group=group, stats=stats, timeout=timeout, strategy=strategy.value, device=device
+    )

@@ -1,0 +1,115 @@
+"""Collectives as free functions over a process group, with counters and bounded waits.
+
+Every collective flatshard issues goes through this file, so that
+- each one is counted (``CommStats``: tests pin the number of collectives per step, benchmarks
+  report the bytes moved), and
+- every wait has a timeout: a peer that died or took another code path turns into an error that
+  names this rank and the operation, never into a silent hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CommStats:
+    """Per-model counts of issued collectives (``op -> count``) and bytes this rank sent."""
+
+    calls: Counter = field(default_factory=Counter)
+    bytes: Counter = field(default_factory=Counter)
+
+    def record(self, op: str, tensor: torch.Tensor) -> None:
+        self.calls[op] += 1
+        self.bytes[op] += tensor.numel() * tensor.element_size()
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+
+
+@dataclass
+class PendingWork:
+    """An async collective in flight, plus the tensors that must outlive it."""
+
+    work: dist.Work | None
+    op: str
+    keep_alive: tuple[torch.Tensor, ...] = ()
+
+    def wait(self, timeout: datetime.timedelta) -> None:
+        if self.work is None:
+            return
+        try:
+            self.work.wait(timeout)
+        except RuntimeError as err:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            raise RuntimeError(
+                f"[flatshard rank {rank}] {self.op} did not complete within {timeout}: a peer "
+                f"rank may have died or issued a different collective. Cause: {err}"
+            ) from err
+        self.work = None
+        self.keep_alive = ()
+
+
+def all_gather_into(
+    out: torch.Tensor,
+    shard: torch.Tensor,
+    group: dist.ProcessGroup,
+    stats: CommStats,
+    *,
+    async_op: bool,
+) -> PendingWork:
+    """Gather every rank's ``shard`` into ``out`` (``out.numel() == world * shard.numel()``)."""
+    stats.record("all_gather", shard)
+    if dist.get_world_size(group) == 1:
+        out.copy_(shard)
+        return PendingWork(None, "all_gather")
+    work = dist.all_gather_into_tensor(out, shard, group=group, async_op=async_op)
+    return PendingWork(work if async_op else None, "all_gather", (out, shard))
+
+
+def reduce_scatter_mean(
+    out: torch.Tensor,
+    full: torch.Tensor,
+    group: dist.ProcessGroup,
+    stats: CommStats,
+    *,
+    async_op: bool,
+) -> PendingWork:
+    """``out`` = this rank's chunk of the mean over ranks of ``full``."""
+    stats.record("reduce_scatter", full)
+    if dist.get_world_size(group) == 1:
+        out.copy_(full)
+        return PendingWork(None, "reduce_scatter")
+    work = dist.reduce_scatter_tensor(
+        out, full, op=dist.ReduceOp.AVG, group=group, async_op=async_op
+    )
+    return PendingWork(work if async_op else None, "reduce_scatter", (out, full))
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup,
+    stats: CommStats,
+    *,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    name: str = "all_reduce",
+) -> None:
+    """Blocking in-place all-reduce (small tensors: flags, norms, counts)."""
+    stats.record(name, tensor)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=op, group=group)
+
+
+def broadcast(
+    tensor: torch.Tensor, src_rank: int, group: dist.ProcessGroup, stats: CommStats
+) -> None:
+    """Blocking broadcast from the group rank ``src_rank``."""
+    stats.record("broadcast", tensor)
+    if dist.get_world_size(group) > 1:
+        dist.broadcast(tensor, group=group, group_src=src_rank)

@@ -1,0 +1,46 @@
+"""Cross-rank agreement check at ``fs.shard`` time.
+
+Ranks that shard different models (another config, another wrap plan, another strategy) would
+issue mismatched collectives and hang or silently mix data. Before anything else is
+communicated, every rank describes what it is about to shard; a digest of that description is
+all-gathered, and on a mismatch the descriptions themselves are compared to name the first
+difference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch.distributed as dist
+
+
+def check_ranks_agree(lines: list[str], group: dist.ProcessGroup) -> None:
+    """Raise ``ValueError`` naming the first line where some rank's description differs."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    digests: list[str | None] = [None] * world
+    dist.all_gather_object(digests, digest, group=group)
+    if len(set(digests)) == 1:
+        return
+    everyone: list[list[str] | None] = [None] * world
+    dist.all_gather_object(everyone, lines, group=group)
+    rank = dist.get_rank(group)
+    raise ValueError(
+        f"[flatshard rank {rank}] ranks disagree on the model: {_first_diff(everyone)}"
+    )
+
+
+def _first_diff(descriptions: list) -> str:
+    reference = descriptions[0]
+    for other_rank, other in enumerate(descriptions[1:], start=1):
+        for i in range(max(len(reference), len(other))):
+            a = reference[i] if i < len(reference) else "<missing>"
+            b = other[i] if i < len(other) else "<missing>"
+            if a != b:
+                return (
+                    f"rank 0 has {a!r} where rank {other_rank} has {b!r}. Every rank must build "
+                    "the same model with the same fs.shard arguments."
+                )
+    return "descriptions differ only in order"

@@ -1,0 +1,144 @@
+"""One flat group: parameters of one unit that share a dtype and ``requires_grad``.
+
+Layout: the group's parameters (each tensor once) are laid end to end in one flat buffer, padded
+to a multiple of the shard-group size ``W``; rank ``r`` owns elements ``[r*S, (r+1)*S)`` with
+``S = padded / W``. What the optimizer sees per original parameter is a persistent 1-D
+``nn.Parameter`` *fragment*: a view of this rank's shard covering the part of that parameter it
+owns (possibly empty). So stock ``torch.optim`` optimizers step on the shard in place and their
+state is sharded for free.
+
+[Note: full buffer lifetime]
+``full`` is one tensor object per group for the whole life of the model. Its storage is
+allocated before a gather and resized to zero bytes when the unit reshards. Autograd saves views
+of ``full`` (e.g. ``linear`` saves its weight); those views keep pointing at the same storage,
+so the regather before backward makes them valid again without re-running forward. Gathers write
+through ``full.data`` so that autograd's version counter is not bumped: the data written back is
+bit-identical to what forward saw.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .collectives import CommStats, PendingWork, all_gather_into, reduce_scatter_mean
+
+
+@dataclass
+class ParamSpec:
+    """Where one original parameter lives in its group's flat layout."""
+
+    shape: torch.Size
+    offset: int  # start in the padded flat buffer
+    numel: int
+    local_start: int  # the fragment is shard[local_start:local_end]
+    local_end: int
+    fragment: nn.Parameter
+
+
+class FlatGroup:
+    """A flat buffer of same-dtype parameters, sharded over ``world`` ranks."""
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        *,
+        rank: int,
+        world: int,
+        device: torch.device,
+    ) -> None:
+        self.dtype = params[0].dtype
+        self.requires_grad = params[0].requires_grad
+        self.device = device
+        self.world = world
+        total = sum(p.numel() for p in params)
+        self.padded_numel = max(world, math.ceil(total / world) * world)
+        self.shard_numel = self.padded_numel // world
+        self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
+        self.specs = self._layout(params, rank)
+        self.full = torch.empty(self.padded_numel, dtype=self.dtype, device=device)
+        self._full_bytes = self.full.untyped_storage().nbytes()
+        self.free_full()
+
+    def _layout(self, params: list[nn.Parameter], rank: int) -> list[ParamSpec]:
+        lo, hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        specs, offset = [], 0
+        for param in params:
+            n = param.numel()
+            start, end = max(offset, lo), min(offset + n, hi)
+            end = max(start, end)
+            if end > start and param.device.type != "meta":
+                src = param.detach().reshape(-1)[start - offset : end - offset]
+                self.shard[start - lo : end - lo].copy_(src)
+            fragment = nn.Parameter(
+                self.shard[start - lo : end - lo], requires_grad=param.requires_grad
+            )
+            specs.append(ParamSpec(param.shape, offset, n, start - lo, end - lo, fragment))
+            offset += n
+        return specs
+
+    # ---- full buffer -------------------------------------------------------------------------
+    @property
+    def is_allocated(self) -> bool:
+        return self.full.untyped_storage().nbytes() > 0
+
+    def allocate_full(self) -> None:
+        if not self.is_allocated:
+            self.full.untyped_storage().resize_(self._full_bytes)
+
+    def free_full(self) -> None:
+        self.full.untyped_storage().resize_(0)
+
+    def gather(self, group: dist.ProcessGroup, stats: CommStats, *, async_op: bool) -> PendingWork:
+        """All-gather every rank's shard straight into ``full`` (no copy-in, no copy-out)."""
+        self.allocate_full()
+        return all_gather_into(self.full.data, self.shard, group, stats, async_op=async_op)
+
+    def full_views(self) -> list[torch.Tensor]:
+        """Full-shape views of ``full``, one per parameter (no autograd edge)."""
+        data = self.full.data
+        return [data[s.offset : s.offset + s.numel].view(s.shape) for s in self.specs]
+
+    def split_sizes(self) -> list[int]:
+        used = sum(s.numel for s in self.specs)
+        return [s.numel for s in self.specs] + [self.padded_numel - used]
+
+    # ---- gradients ---------------------------------------------------------------------------
+    def flat_grad_from(self, grads: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
+        """One padded flat gradient from per-parameter grads; ``None`` (unused) becomes zeros."""
+        pieces = []
+        for spec, grad in zip(self.specs, grads, strict=True):
+            if grad is None:
+                pieces.append(torch.zeros(spec.numel, dtype=self.dtype, device=self.device))
+            else:
+                pieces.append(grad.reshape(-1).to(self.dtype))
+        pad = self.padded_numel - sum(s.numel for s in self.specs)
+        pieces.append(torch.zeros(pad, dtype=self.dtype, device=self.device))
+        return torch.cat(pieces)
+
+    def zeros_flat_grad(self) -> torch.Tensor:
+        return torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+
+    def reduce_scatter(
+        self, flat_grad: torch.Tensor, group: dist.ProcessGroup, stats: CommStats
+    ) -> tuple[torch.Tensor, PendingWork]:
+        """Start the mean-over-ranks reduce-scatter of ``flat_grad``; returns (grad shard, work)."""
+        grad_shard = torch.empty(self.shard_numel, dtype=self.dtype, device=self.device)
+        work = reduce_scatter_mean(grad_shard, flat_grad, group, stats, async_op=True)
+        return grad_shard, work
+
+    def assign_grads(self, grad_shard: torch.Tensor, used: torch.Tensor) -> None:
+        """Give each used fragment its slice of ``grad_shard``; unused ones keep ``.grad``."""
+        for spec, is_used in zip(self.specs, used.tolist(), strict=True):
+            if not is_used:
+                continue
+            frag = spec.fragment
+            piece = grad_shard[spec.local_start : spec.local_end]
+            if frag.grad is None:
+                frag.grad = piece
+            else:
+                frag.grad.add_(piece)

@@ -1,0 +1,143 @@
+"""The per-model runtime state: units, process group, orders for prefetch, in-flight reductions.
+
+One ``ShardedState`` hangs off the root module (``model._flatshard_state``); nothing is global,
+so two sharded models in one process never see each other.
+
+[Note: stale gathered buffers]
+A unit may stay gathered after its forward (the root, or every unit under ``shard_grad_op``).
+If the optimizer steps (or a state dict is loaded) while it is gathered, the full buffer would be
+stale. Each group remembers its shard's autograd version counter at gather time; the optimizer's
+in-place update bumps it (fragments are views of the shard and share its counter), and a unit
+whose shard moved on is regathered before use.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .collectives import CommStats, PendingWork, all_reduce
+from .unit import ParamState, Unit
+
+
+@dataclass
+class PendingReduce:
+    unit: Unit
+    group_index: int
+    grad_shard: torch.Tensor
+    used: torch.Tensor
+    work: PendingWork
+
+
+@dataclass
+class StepOrder:
+    """Unit order observed on the first iteration, used for prefetching afterwards."""
+
+    recording: list[Unit] = field(default_factory=list)
+    frozen: list[Unit] | None = None
+    next_of: dict[int, Unit] = field(default_factory=dict)
+
+    def observe(self, unit: Unit) -> None:
+        if self.frozen is None and unit not in self.recording:
+            self.recording.append(unit)
+
+    def freeze(self) -> None:
+        if self.frozen is None and self.recording:
+            self.frozen = self.recording
+            self.next_of = {id(a): b for a, b in zip(self.frozen, self.frozen[1:], strict=False)}
+
+    def after(self, unit: Unit) -> Unit | None:
+        return self.next_of.get(id(unit))
+
+
+class ShardedState:
+    """Everything flatshard keeps for one sharded model."""
+
+    def __init__(
+        self,
+        units: list[Unit],
+        *,
+        group: dist.ProcessGroup,
+        stats: CommStats,
+        timeout: datetime.timedelta,
+        strategy: str,
+        device: torch.device,
+        max_inflight_reduces: int = 2,
+    ) -> None:
+        self.units = units
+        self.device = device
+        self.group = group
+        self.stats = stats
+        self.timeout = timeout
+        self.strategy = strategy
+        self.forward_order = StepOrder()
+        self.backward_order = StepOrder()
+        self.max_inflight_reduces = max_inflight_reduces
+        self._inflight: deque[PendingReduce] = deque()
+        self._reduced: list[PendingReduce] = []
+        self.final_callback_queued = False
+
+    # ---- gathering ---------------------------------------------------------------------------
+    def ensure_gathered(self, unit: Unit) -> None:
+        """Make ``unit``'s full buffers valid (regather if the shard changed since)."""
+        if unit.state is ParamState.UNSHARDED and unit.is_stale():
+            unit.reshard(self.timeout)
+        unit.wait_gather(self.timeout)
+
+    def prefetch(self, unit: Unit | None) -> None:
+        if unit is not None and unit.state is ParamState.SHARDED:
+            unit.start_gather()
+
+    def reshard_all(self) -> None:
+        for unit in self.units:
+            if unit.state is not ParamState.SHARDED:
+                unit.reshard(self.timeout)
+
+    # ---- gradient reduction ------------------------------------------------------------------
+    def launch_reduce(self, unit: Unit) -> None:
+        """Start the reduce-scatter of each trainable group's flat gradient."""
+        for gi in unit.trainable_groups:
+            flat = unit.grad.flat_grads[gi]
+            group = unit.groups[gi]
+            if flat is None:
+                flat = group.zeros_flat_grad()
+            used = unit.grad.used[gi]
+            grad_shard, work = group.reduce_scatter(flat, self.group, self.stats)
+            self._inflight.append(PendingReduce(unit, gi, grad_shard, used, work))
+        unit.reset_grad_state()
+        # Bound the memory held by flat gradients still being reduced.
+        while len(self._inflight) > self.max_inflight_reduces:
+            self._finish_oldest_reduce()
+
+    def _finish_oldest_reduce(self) -> None:
+        pending = self._inflight.popleft()
+        pending.work.wait(self.timeout)
+        self._reduced.append(pending)
+
+    def finish_backward(self) -> None:
+        """End of backward: reduce what never reduced, wait, agree on usage, assign grads."""
+        for unit in self.units:
+            if unit.grad.pending_nodes > 0:
+                unit.grad.pending_nodes = 0
+                self.launch_reduce(unit)
+        while self._inflight:
+            self._finish_oldest_reduce()
+        reduced, self._reduced = self._reduced, []
+        if reduced:
+            used = self._agree_on_usage([r.used for r in reduced])
+            for r, used_globally in zip(reduced, used, strict=True):
+                r.unit.groups[r.group_index].assign_grads(r.grad_shard, used_globally)
+        self.reshard_all()
+        self.forward_order.freeze()
+        self.backward_order.freeze()
+        self.final_callback_queued = False
+
+    def _agree_on_usage(self, masks: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A parameter used on any rank gets a gradient on every rank (one small all-reduce)."""
+        flags = torch.cat(masks).to(device=self.device, dtype=torch.int32)
+        all_reduce(flags, self.group, self.stats, op=dist.ReduceOp.MAX, name="usage_all_reduce")
+        return list(flags.cpu().split([len(m) for m in masks]))

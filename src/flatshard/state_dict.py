@@ -1,0 +1,145 @@
+"""Full (unsharded) state dicts and full parameters on demand.
+
+Both directions go unit by unit, so the device never holds more than one gathered unit beyond
+what training already holds; rank 0 is the only rank that holds (or reads) the full CPU copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .api import get_state
+from .collectives import broadcast
+from .state import ShardedState
+from .unit import ParamState, Unit
+
+
+def _fragment_locations(state: ShardedState) -> dict[int, tuple[Unit, int, int]]:
+    """id(fragment) -> (unit, group index, parameter index)."""
+    where = {}
+    for unit in state.units:
+        for gi, group in enumerate(unit.groups):
+            for pi, spec in enumerate(group.specs):
+                where[id(spec.fragment)] = (unit, gi, pi)
+    return where
+
+
+@torch.no_grad()
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Rank 0: full CPU tensors keyed exactly like the unsharded model's ``state_dict()``
+    (tied names included). Other ranks: ``{}``. Every rank must call it (it gathers)."""
+    state = get_state(model)
+    is_rank0 = dist.get_rank(state.group) == 0
+    refs = model.state_dict(keep_vars=True)
+    where = _fragment_locations(state)
+    keys_of_unit: dict[int, list[tuple[str, int, int]]] = {}
+    for key, value in refs.items():
+        if id(value) in where:
+            unit, gi, pi = where[id(value)]
+            keys_of_unit.setdefault(unit.index, []).append((key, gi, pi))
+    out: dict[str, torch.Tensor] = {}
+    for unit in state.units:
+        was_sharded = unit.state is ParamState.SHARDED
+        state.ensure_gathered(unit)
+        if is_rank0:
+            views = [g.full_views() for g in unit.groups]
+            for key, gi, pi in keys_of_unit.get(unit.index, []):
+                out[key] = views[gi][pi].to("cpu", copy=True)
+        if was_sharded:
+            unit.reshard(state.timeout)
+    if not is_rank0:
+        return {}
+    for key, value in refs.items():
+        if key not in out:
+            out[key] = value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
+    return {key: out[key] for key in refs}
+
+
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, sd: dict, *, strict: bool = True) -> None:
+    """Load a full state dict held by rank 0 (other ranks may pass ``{}``) into the shards.
+
+    Every rank must call it. Shapes and keys are checked on rank 0 and a mismatch raises the
+    same ``ValueError`` on every rank (nothing is half-loaded, nothing hangs).
+    """
+    state = get_state(model)
+    state.reshard_all()
+    rank = dist.get_rank(state.group)
+    refs = model.state_dict(keep_vars=True)
+    _agree_or_raise(_check_full_sd(sd, refs, strict) if rank == 0 else None, state)
+    where = _fragment_locations(state)
+    first_key: dict[int, str] = {}  # tied parameters: the first of their names is the source
+    for key, value in refs.items():
+        if id(value) in where:
+            first_key.setdefault(id(value), key)
+    for unit in state.units:
+        for group in unit.groups:
+            _load_group(group, sd, first_key, rank, state)
+    for key, value in refs.items():
+        if id(value) not in where and torch.is_tensor(value):
+            source = sd[key].to(value.device, value.dtype) if rank == 0 else value.detach()
+            buf = source.contiguous().clone()
+            broadcast(buf, 0, state.group, state.stats)
+            value.copy_(buf)
+
+
+def _load_group(group, sd: dict, first_key: dict, rank: int, state: ShardedState) -> None:
+    full = torch.zeros(group.padded_numel, dtype=group.dtype, device=group.device)
+    if rank == 0:
+        for spec in group.specs:
+            src = sd[first_key[id(spec.fragment)]]
+            full[spec.offset : spec.offset + spec.numel].copy_(src.reshape(-1))
+    broadcast(full, 0, state.group, state.stats)
+    lo = dist.get_rank(state.group) * group.shard_numel
+    group.shard.copy_(full[lo : lo + group.shard_numel])
+
+
+def _check_full_sd(sd: dict, refs: dict, strict: bool) -> str | None:
+    missing = [k for k in refs if k not in sd]
+    unexpected = [k for k in sd if k not in refs]
+    if strict and (missing or unexpected):
+        return (
+            f"state dict keys do not match the model: missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]}; pass the full_state_dict of the same architecture "
+            "(or strict=False to load what matches)"
+        )
+    if missing:
+        return f"state dict lacks {missing[:5]}, which flatshard needs to fill every shard"
+    return None
+
+
+def _agree_or_raise(error: str | None, state: ShardedState) -> None:
+    box = [error]
+    if dist.get_world_size(state.group) > 1:
+        src = dist.get_global_rank(state.group, 0)
+        dist.broadcast_object_list(box, src=src, group=state.group)
+    if box[0] is not None:
+        raise ValueError(f"[flatshard rank {dist.get_rank()}] {box[0]}")
+
+
+@contextmanager
+def summon_full_params(model: nn.Module, writeback: bool = True) -> Iterator[nn.Module]:
+    """Inside the block every parameter of ``model`` is its full tensor; with ``writeback``
+    the edits made to them are written back to the shards on exit. Every rank must enter."""
+    state = get_state(model)
+    with torch.no_grad():
+        for unit in state.units:
+            state.ensure_gathered(unit)
+            unit.install_views([g.full_views() for g in unit.groups])
+    try:
+        yield model
+    finally:
+        with torch.no_grad():
+            rank = dist.get_rank(state.group)
+            for unit in state.units:
+                unit.install_fragments()
+                if writeback:
+                    for g in unit.groups:
+                        lo = rank * g.shard_numel
+                        g.shard.copy_(g.full.data[lo : lo + g.shard_numel])
+            state.reshard_all()

@@ -1,0 +1,152 @@
+"""One unit: a module whose parameters are gathered and released together.
+
+A unit holds one ``FlatGroup`` per (dtype, requires_grad) of the parameters it owns, the list of
+places (module, attribute name) where each of those parameters is registered, and its state.
+
+[Note: parameter swapping]
+At rest every place holds the parameter's sharded fragment, so ``model.parameters()`` and the
+optimizer see fragments. While the unit is in use (its forward, its backward, a summon), each
+place holds a full-shape view of the gathered buffer instead. Writing ``module._parameters``
+directly (not ``setattr``) is deliberate: the views are plain tensors, not ``nn.Parameter``s,
+and must not be registered as new parameters.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .collectives import CommStats, PendingWork
+from .flat_group import FlatGroup
+
+
+class ParamState(enum.Enum):
+    SHARDED = "sharded"  # only fragments in memory
+    GATHERING = "gathering"  # an async all-gather is writing the full buffers
+    UNSHARDED = "unsharded"  # full buffers valid
+
+
+@dataclass
+class Slot:
+    """One place where a parameter is registered: ``module._parameters[name]``."""
+
+    module: nn.Module
+    name: str
+    group: int
+    index: int
+
+
+@dataclass
+class GradState:
+    """Per-backward gradient bookkeeping of one unit."""
+
+    pending_nodes: int = 0  # autograd nodes created in forward whose backward has not run
+    flat_grads: list[torch.Tensor | None] = field(default_factory=list)  # per group
+    used: list[torch.Tensor] = field(default_factory=list)  # per group: bool per parameter
+
+
+class Unit:
+    """Parameters of one wrapped module, sharded as flat groups."""
+
+    def __init__(
+        self,
+        index: int,
+        module: nn.Module,
+        params: list[nn.Parameter],
+        slots_by_param: dict[int, list[tuple[nn.Module, str]]],
+        *,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        stats: CommStats,
+        reshard_after_forward: bool,
+    ) -> None:
+        self.index = index
+        self.module = module
+        self.process_group = group
+        self.stats = stats
+        self.reshard_after_forward = reshard_after_forward
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        self.groups: list[FlatGroup] = []
+        self.slots: list[Slot] = []
+        for key, members in _group_by_kind(params).items():
+            del key
+            flat = FlatGroup(members, rank=rank, world=world, device=device)
+            gi = len(self.groups)
+            self.groups.append(flat)
+            for pi, p in enumerate(members):
+                for module_, name in slots_by_param[id(p)]:
+                    self.slots.append(Slot(module_, name, gi, pi))
+        # A zero-size leaf that makes autograd call ``UnitViews.backward`` (see hooks.py).
+        self.anchor = torch.empty(0, device=device, requires_grad=True)
+        self.state = ParamState.SHARDED
+        self._gather_work: list[PendingWork] = []
+        self._gathered_versions: list[int] = []
+        self.grad = GradState()
+        self.reset_grad_state()
+        self.install_fragments()
+
+    def reset_grad_state(self) -> None:
+        self.grad.pending_nodes = 0
+        self.grad.flat_grads = [None] * len(self.groups)
+        self.grad.used = [torch.zeros(len(g.specs), dtype=torch.bool) for g in self.groups]
+
+    # ---- parameter placement -----------------------------------------------------------------
+    def fragments(self) -> list[nn.Parameter]:
+        return [spec.fragment for g in self.groups for spec in g.specs]
+
+    def install_fragments(self) -> None:
+        for slot in self.slots:
+            slot.module._parameters[slot.name] = self.groups[slot.group].specs[slot.index].fragment
+
+    def install_views(self, views: list[list[torch.Tensor]]) -> None:
+        for slot in self.slots:
+            slot.module._parameters[slot.name] = views[slot.group][slot.index]
+
+    # ---- gather / release --------------------------------------------------------------------
+    def start_gather(self) -> None:
+        """Issue the async all-gathers of every group (no-op unless sharded)."""
+        if self.state is not ParamState.SHARDED:
+            return
+        self._gather_work = [
+            g.gather(self.process_group, self.stats, async_op=True) for g in self.groups
+        ]
+        self._gathered_versions = [g.shard._version for g in self.groups]
+        self.state = ParamState.GATHERING
+
+    def is_stale(self) -> bool:
+        """True if a shard changed in place (optimizer step, load) since it was gathered."""
+        return any(
+            g.shard._version != v for g, v in zip(self.groups, self._gathered_versions, strict=True)
+        )
+
+    def wait_gather(self, timeout) -> None:
+        self.start_gather()
+        if self.state is ParamState.GATHERING:
+            for work in self._gather_work:
+                work.wait(timeout)
+            self._gather_work = []
+            self.state = ParamState.UNSHARDED
+
+    def reshard(self, timeout) -> None:
+        """Release the full buffers (fragments stay)."""
+        if self.state is ParamState.GATHERING:
+            self.wait_gather(timeout)
+        for g in self.groups:
+            g.free_full()
+        self.state = ParamState.SHARDED
+
+    @property
+    def trainable_groups(self) -> list[int]:
+        return [i for i, g in enumerate(self.groups) if g.requires_grad]
+
+
+def _group_by_kind(params: list[nn.Parameter]) -> dict[tuple, list[nn.Parameter]]:
+    """Split a unit's parameters by (dtype, requires_grad), keeping their order."""
+    kinds: dict[tuple, list[nn.Parameter]] = {}
+    for p in params:
+        kinds.setdefault((p.dtype, p.requires_grad), []).append(p)
+    return kinds

@@ -1,0 +1,345 @@
+"""Small models with the hard cases, and the parity harness that trains them sharded and not.
+
+Each ``Case`` builds a model (deterministic under a seed), a wrap policy, a global batch for a
+step, and the loss. ``train_parity`` trains a sharded copy on this rank's slice of every global
+batch and a single-process copy on the whole global batch, both with AdamW, and reports the
+largest relative difference of the full state dicts (rank 0) and of the losses.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import flatshard as fs
+
+VOCAB, SEQ = 53, 12
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block with odd sizes (d=24, heads=2, ff=37)."""
+
+    def __init__(self, d: int = 24, heads: int = 2, ff: int = 37) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)  # a key bias has a zero gradient: noise
+        self.proj = nn.Linear(d, d)
+        self.mlp = MLP(d, ff)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        a = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int, ff: int) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(d, ff), nn.Linear(ff, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.gelu(self.fc(x)))
+
+
+class TinyGPT(nn.Module):
+    """Embedding tied to the output head; ``tie_across_units`` moves the head into its own
+    module so that a policy can put the two users of the tied weight in different units."""
+
+    def __init__(self, layers: int = 3, d: int = 24) -> None:
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(VOCAB, d), nn.Embedding(SEQ, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.lnf = nn.LayerNorm(d)
+        self.head = Head(d)
+        self.head.proj.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx) + self.pos(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.lnf(x))
+
+
+class Head(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, VOCAB, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+class LoRALinear(nn.Module):
+    """A frozen base layer plus a trainable low-rank update, all in one unit."""
+
+    def __init__(self, n_in: int, n_out: int, rank: int = 3) -> None:
+        super().__init__()
+        self.base = nn.Linear(n_in, n_out)
+        self.base.requires_grad_(False)
+        self.lora_a = nn.Parameter(torch.randn(rank, n_in) * 0.1)
+        self.lora_b = nn.Parameter(torch.randn(n_out, rank) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.lora_a.t()) @ self.lora_b.t()
+
+
+class LoRAModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = LoRALinear(19, 23), LoRALinear(23, 7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(F.gelu(self.l1(x)))
+
+
+class Branchy(nn.Module):
+    """Unused parameters of every kind: a never-called unit, a called unit whose output is
+    dropped, a parameter of a used unit that is not used, a used unit with a dead layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(13, 17), nn.Tanh())
+        self.head = TwoLayers()
+        self.never_called = Side(17, 5)
+        self.output_dropped = Side(17, 5)
+        self.spare = nn.Parameter(torch.randn(7))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.trunk(x)
+        self.output_dropped(h)
+        return self.head(h)
+
+
+class Side(nn.Linear):
+    """A branch layer, its own unit."""
+
+
+class TwoLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.dead = nn.Linear(17, 5), nn.Linear(17, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def _hf_gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(
+        vocab_size=VOCAB,
+        bos_token_id=0,
+        eos_token_id=0,
+        n_positions=SEQ + 1,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        initializer_range=0.2,
+    )
+    # std 0.2 rather than 0.02: with near-uniform attention the key weights get ~1e-8
+    # gradients whose rounding noise AdamW amplifies past 1e-5, hiding real differences.
+    return GPT2LMHeadModel(cfg)
+
+
+def _hf_llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=43,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ + 1,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def _gpt2_policy():
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    return fs.wrap.by_type(GPT2Block)
+
+
+def _llama_policy():
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    return fs.wrap.by_type(LlamaDecoderLayer)
+
+
+def _tokens(gen: torch.Generator, rows: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (rows, SEQ + 1), generator=gen)
+
+
+def _lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    logits = model(batch[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+
+
+def _hf_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=batch, labels=batch).loss
+
+
+def _regression(n_in: int) -> Callable:
+    def make(gen: torch.Generator, rows: int) -> torch.Tensor:
+        return torch.randn(rows, n_in + 1, generator=gen)
+
+    return make
+
+
+def _mse_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    out = model(batch[:, :-1])
+    return (out - batch[:, -1:]).pow(2).mean()
+
+
+@dataclass
+class Case:
+    build: Callable[[], nn.Module]
+    policy: Callable[[], object]
+    batch: Callable[[torch.Generator, int], torch.Tensor]
+    loss: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+CASES: dict[str, Case] = {
+    "gpt_tied": Case(TinyGPT, lambda: fs.wrap.by_type(Block), _tokens, _lm_loss),
+    "gpt_tied_across_units": Case(
+        TinyGPT, lambda: fs.wrap.by_type(Block, nn.Embedding, Head), _tokens, _lm_loss
+    ),
+    "gpt_nested_units": Case(TinyGPT, lambda: fs.wrap.by_type(Block, MLP), _tokens, _lm_loss),
+    "gpt_by_size": Case(TinyGPT, lambda: fs.wrap.by_size(1500), _tokens, _lm_loss),
+    "gpt_root_only": Case(TinyGPT, lambda: None, _tokens, _lm_loss),
+    "lora": Case(LoRAModel, lambda: fs.wrap.by_type(LoRALinear), _regression(19), _mse_loss),
+    "unused": Case(
+        Branchy, lambda: fs.wrap.by_type(nn.Sequential, Side, TwoLayers), _regression(13), _mse_loss
+    ),
+    "hf_gpt2": Case(_hf_gpt2, _gpt2_policy, _tokens, _hf_loss),
+    "hf_llama": Case(_hf_llama, _llama_policy, _tokens, _hf_loss),
+}
+
+
+def named_param_groups(model: nn.Module) -> list[dict]:
+    """Weight decay by name (as users do): biases and norms get none."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        plain = name.endswith("bias") or "ln" in name or "norm" in name
+        (no_decay if plain else decay).append(p)
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    scale = b.abs().max().item() if b.numel() else 0.0
+    return (a - b).abs().max().item() / max(scale, 1e-12) if b.numel() else 0.0
+
+
+# [Note: the noise floor]
+# AdamW's first steps map a gradient g to about g / (|g| + eps): an element whose true gradient
+# is zero or ~1e-7 of its tensor's largest (GPT-2's key bias is exactly zero: softmax ignores a
+# constant added to every key) moves by a sign-and-size that is pure rounding noise, and any two
+# summation orders (one process vs a reduce-scatter) disagree there by up to lr per step.
+# Such elements are left out of the parameter comparison; the harness reports how many there
+# were so a test can check that they are rare. Gradients themselves are compared everywhere.
+NOISE_FLOOR = 1e-5
+
+
+def train_parity(name: str, steps: int = 5, rows_per_rank: int = 2, strategy: str = "full_shard"):
+    """On rank 0: dict(sd_err, loss_err, grad_err, none_mismatch, noisy_fraction)."""
+    case = CASES[name]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = case.build()
+    model = fs.shard(copy.deepcopy(ref), policy=case.policy(), strategy=strategy)
+    opt = torch.optim.AdamW(named_param_groups(model), lr=1e-3)
+    ref_opt = torch.optim.AdamW(named_param_groups(ref), lr=1e-3)
+    loss_err, grad_err, none_mismatch = 0.0, 0.0, []
+    noisy = {id(p): torch.zeros_like(p, dtype=torch.bool) for p in ref.parameters()}
+    for step in range(steps):
+        batch = case.batch(torch.Generator().manual_seed(step), rows_per_rank * world)
+        local = batch.chunk(world)[rank]
+        loss = case.loss(model, local)
+        loss.backward()
+        ref_loss = case.loss(ref, batch)
+        ref_loss.backward()
+        none_mismatch += _grad_none_mismatches(model, ref)
+        if step == 0:  # later steps start from params that differ at the noise floor
+            grad_err = _max_grad_err(model, ref)
+        _mark_noise_floor(ref, noisy)
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        loss_err = max(loss_err, rel_err(mean_loss / world, ref_loss.detach()))
+    full = fs.full_state_dict(model)
+    if rank != 0:
+        return None
+    ref_sd = ref.state_dict(keep_vars=True)
+    assert list(full) == list(ref_sd), f"keys differ: {list(full)} vs {list(ref_sd)}"
+    sd_err = 0.0
+    for key, value in ref_sd.items():
+        keep = ~noisy[id(value)] if id(value) in noisy else torch.ones_like(value, dtype=torch.bool)
+        sd_err = max(sd_err, rel_err(full[key][keep], value.detach()[keep]))
+    total = sum(m.numel() for m in noisy.values())
+    noisy_fraction = sum(m.sum().item() for m in noisy.values()) / max(total, 1)
+    return dict(
+        sd_err=sd_err,
+        loss_err=loss_err,
+        grad_err=grad_err,
+        none_mismatch=none_mismatch,
+        noisy_fraction=noisy_fraction,
+    )
+
+
+def _mark_noise_floor(ref: nn.Module, noisy: dict) -> None:
+    for p in ref.parameters():
+        if p.grad is not None and p.grad.numel():
+            magnitude = p.grad.abs()  # exact zeros are exact on both sides: not noise
+            noisy[id(p)] |= (magnitude > 0) & (magnitude <= NOISE_FLOOR * magnitude.max())
+
+
+def _max_grad_err(model: nn.Module, ref: nn.Module) -> float:
+    """Largest relative error of this rank's gradient fragments against the reference's."""
+    state = model._flatshard_state
+    rank = dist.get_rank(state.group)
+    ref_params = dict(ref.named_parameters())
+    names = {id(p): n for n, p in model.named_parameters()}
+    worst = 0.0
+    for unit in state.units:
+        for group in unit.groups:
+            lo = rank * group.shard_numel
+            for spec in group.specs:
+                frag = spec.fragment
+                if frag.grad is None or not frag.numel():
+                    continue
+                full_grad = ref_params[names[id(frag)]].grad.reshape(-1)
+                start = lo + spec.local_start - spec.offset
+                want = full_grad[start : start + frag.numel()]
+                scale = full_grad.abs().max().item()
+                worst = max(worst, (frag.grad - want).abs().max().item() / max(scale, 1e-12))
+    return worst
+
+
+def _grad_none_mismatches(model: nn.Module, ref: nn.Module) -> list[str]:
+    ref_params = dict(ref.named_parameters())
+    return [
+        name
+        for name, p in model.named_parameters()
+        if (p.grad is None) != (ref_params[name].grad is None)
+    ]
