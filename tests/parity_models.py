@@ -134,6 +134,18 @@ class TwoLayers(nn.Module):
         return self.used(x)
 
 
+class Reused(nn.Module):
+    """One unit called twice per forward (weight sharing across depth, as in ALBERT)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.block, self.out = nn.Linear(11, 24), Block(), nn.Linear(24, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x).unflatten(-1, (2, 12)).transpose(-1, -2).tanh().flatten(-2)
+        return self.out(self.block(self.block(h.unsqueeze(1))).squeeze(1))
+
+
 def _hf_gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -229,6 +241,7 @@ CASES: dict[str, Case] = {
     "unused": Case(
         Branchy, lambda: fs.wrap.by_type(nn.Sequential, Side, TwoLayers), _regression(13), _mse_loss
     ),
+    "reused_unit": Case(Reused, lambda: fs.wrap.by_type(Block), _regression(11), _mse_loss),
     "hf_gpt2": Case(_hf_gpt2, _gpt2_policy, _tokens, _hf_loss),
     "hf_llama": Case(_hf_llama, _llama_policy, _tokens, _hf_loss),
 }

@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed the tensor collectives (the old names warn); torch 2.6 has only the old.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass
 class CommStats:
@@ -69,7 +73,7 @@ def all_gather_into(
     if dist.get_world_size(group) == 1:
         out.copy_(shard)
         return PendingWork(None, "all_gather")
-    work = dist.all_gather_into_tensor(out, shard, group=group, async_op=async_op)
+    work = _all_gather_tensor(out, shard, group=group, async_op=async_op)
     return PendingWork(work if async_op else None, "all_gather", (out, shard))
 
 
@@ -86,9 +90,7 @@ def reduce_scatter_mean(
     if dist.get_world_size(group) == 1:
         out.copy_(full)
         return PendingWork(None, "reduce_scatter")
-    work = dist.reduce_scatter_tensor(
-        out, full, op=dist.ReduceOp.AVG, group=group, async_op=async_op
-    )
+    work = _reduce_scatter_tensor(out, full, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
     return PendingWork(work if async_op else None, "reduce_scatter", (out, full))
 
 

@@ -22,7 +22,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     norm_type = float(norm_type)
     if norm_type <= 0:
         raise ValueError(f"norm_type={norm_type} must be positive (2.0, 1.0 or float('inf'))")
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in model.parameters() if p.grad is not None and p.grad.numel()]
     local = torch.zeros((), dtype=torch.float32, device=state.device)
     if grads:
         norms = torch._foreach_norm(grads, norm_type)

@@ -1,0 +1,219 @@
+"""Train the reference tiny GPT with flatshard on the embedded corpus, with sequence packing.
+
+The project's "main job" until ``flatshard train`` lands. Two local CPU ranks (Gloo)::
+
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 examples/train_tiny_gpt.py [--steps N] [--out DIR]
+
+Every rank builds the same model from the same seed, ``fs.shard`` keeps 1/world of each ``Block``
+(and of the root's embedding/norm) per rank, and the packed sampler deals each rank the same
+number of micro-batches per step, so the collectives issued by forward/backward stay in lockstep.
+The loss is normalised over the step's *global* target tokens (see docs/packing.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import flatshard as fs
+from flatshard.data import ByteTokenizer, embedded_documents, train_val_split
+from flatshard.models import GPT, Block, GPTConfig
+from flatshard.packing import (
+    PackedBatchSampler,
+    collate,
+    global_token_count,
+    packed_cross_entropy,
+    split_long_documents,
+)
+
+TOK = ByteTokenizer()
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=150, help="optimizer steps")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per packed row (<= 256)")
+    p.add_argument("--rows", type=int, default=4, help="packed rows per rank per step")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
+    p.add_argument("--out", type=Path, default=None, help="write DIR/metrics.jsonl (rank 0)")
+    p.add_argument("--seed", type=int, default=0, help="model init and data order seed")
+    p.add_argument("--log-every", type=int, default=10, help="print every N steps")
+    return p.parse_args()
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """Join torchrun's process group: NCCL on one GPU per rank if CUDA exists, else Gloo."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl")
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def tokenized_chunks(docs: list[str], seq_len: int) -> list[list[int]]:
+    """Byte tokens (+ eos) of every document, long ones cut into pieces of at most seq_len."""
+    encoded = TOK.encode_documents(docs)
+    chunks = split_long_documents([len(d) for d in encoded], seq_len)
+    return [encoded[c.doc][c.start : c.end] for c in chunks]
+
+
+def build_model(device: torch.device) -> GPT:
+    """The tiny GPT, identical on every rank (seeded by the caller), sharded by Block."""
+    with device:
+        model = GPT(GPTConfig.preset("tiny"))
+    return fs.shard(model, policy=fs.wrap.by_type(Block))
+
+
+def build_optimizer(model: GPT, lr: float, weight_decay: float = 0.1) -> torch.optim.AdamW:
+    """AdamW; norms and biases skip weight decay. After sharding every parameter is a 1-D
+    fragment, so ``p.ndim`` cannot tell a matrix from a norm: decide by the (preserved) name."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if "norm" in name or name.endswith("bias") else decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+
+
+def warmup_cosine(warmup: int, total: int, floor: float = 0.1) -> Callable[[int], float]:
+    """LR multiplier: linear warm-up to 1, then cosine decay to ``floor`` at ``total``."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def endless(sampler: PackedBatchSampler) -> Iterator[list[list[int]]]:
+    """This rank's micro-batches step after step, epoch after epoch."""
+    epoch = 0
+    while True:
+        sampler.set_epoch(epoch)
+        yield from sampler
+        epoch += 1
+
+
+def train_step(model, opt, sched, step_docs, args, world, device) -> dict[str, float]:
+    """One optimizer step over this rank's micro-batches; returns global loss/tokens/norm."""
+    batches = [collate(d, args.seq_len, pad_id=TOK.pad_id, rows=args.rows).to(device) for d in step_docs]
+    targets = global_token_count([b.labels for b in batches])  # all ranks, all micro-batches
+    loss_sum = torch.zeros((), device=device)
+    real = 0
+    for b in batches:  # same count on every rank (the sampler guarantees it)
+        logits = model(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen)  # [R, T, V]
+        loss = packed_cross_entropy(logits, b.labels, targets, world_size=world)
+        loss.backward()
+        loss_sum += loss.detach()
+        real += int((b.input_ids != TOK.pad_id).sum())
+    grad_norm = fs.clip_grad_norm_(model, max_norm=1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sched.step()
+    # rank r's loss is world * (its token-loss sum) / G: the global mean is the sum over ranks / W
+    stats = torch.stack([loss_sum, torch.tensor(float(real), device=device)])
+    dist.all_reduce(stats)
+    return {"loss": stats[0].item() / world, "tokens": stats[1].item(), "grad_norm": grad_norm.item()}
+
+
+@torch.no_grad()
+def evaluate(model, chunks, args, rank, world, device, max_steps: int = 4) -> float:
+    """Mean token loss over up to ``max_steps`` packed validation steps (lockstep on all ranks)."""
+    sampler = PackedBatchSampler(
+        [len(c) for c in chunks], args.seq_len, rank=rank, world_size=world,
+        bins_per_micro_batch=args.rows, shuffle=False,
+    )  # fmt: skip
+    totals = torch.zeros(2, device=device)  # [token-loss sum, target count]
+    for _, step_docs in zip(range(max_steps), sampler, strict=False):
+        for docs in step_docs:
+            b = collate([chunks[i] for i in docs], args.seq_len, pad_id=TOK.pad_id, rows=args.rows)
+            b = b.to(device)
+            logits = model(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen)
+            totals[0] += GPT.loss(logits, b.labels, reduction="sum")
+            totals[1] += b.num_targets
+    dist.all_reduce(totals)
+    return (totals[0] / totals[1]).item()
+
+
+def sample_text(model: GPT, prompt: str, device: torch.device, seed: int, n: int = 200) -> str:
+    """Top-k sample. Every forward of the sharded model all-gathers, so *every* rank generates,
+    with the same prompt and seed (identical results); no eos stop, so all run n forwards."""
+    ids = torch.tensor(TOK.encode(prompt, add_eos=False), device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = model.generate(ids, n, temperature=0.8, top_k=20, generator=gen).tolist()
+    if TOK.eos_id in out[len(ids) :]:  # cut at the first end-of-document
+        out = out[: out.index(TOK.eos_id, len(ids))]
+    return TOK.decode(out)
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def main() -> None:
+    args = parse_args()
+    rank, world, device = init_distributed()
+    torch.manual_seed(args.seed)  # same init on every rank
+    train_docs, val_docs = train_val_split(embedded_documents())
+    train, val = tokenized_chunks(train_docs, args.seq_len), tokenized_chunks(val_docs, args.seq_len)
+    model = build_model(device)
+    opt = build_optimizer(model, args.lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.warmup, args.steps))
+    sampler = PackedBatchSampler(
+        [len(c) for c in train], args.seq_len, rank=rank, world_size=world,
+        bins_per_micro_batch=args.rows, seed=args.seed,
+    )  # fmt: skip
+    metrics = None
+    if rank == 0:
+        print(f"world={world} device={device} params={model.num_params():,} "
+              f"train chunks={len(train)} val chunks={len(val)}", flush=True)  # fmt: skip
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            metrics = (args.out / "metrics.jsonl").open("w")
+    batches = endless(sampler)
+    start = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        lr = sched.get_last_lr()[0]
+        t0 = time.perf_counter()
+        docs = [[train[i] for i in mb] for mb in next(batches)]
+        out = train_step(model, opt, sched, docs, args, world, device)
+        row = {"step": step, "loss": out["loss"], "grad_norm": out["grad_norm"], "lr": lr,
+               "tokens_per_s": out["tokens"] / (time.perf_counter() - t0),
+               "peak_mem_mb": peak_rss_mb()}  # fmt: skip
+        if metrics is not None:
+            metrics.write(json.dumps(row) + "\n")
+        if rank == 0 and (step % args.log_every == 0 or step in (1, args.steps)):
+            print("step {step:4d} | loss {loss:.4f} | grad norm {grad_norm:.3f} | lr {lr:.2e} | "
+                  "{tokens_per_s:,.0f} tok/s | peak RSS {peak_mem_mb:.0f} MB".format(**row),
+                  flush=True)  # fmt: skip
+    val_loss = evaluate(model, val, args, rank, world, device)
+    text = sample_text(model, "Return the ", device, args.seed)
+    if rank == 0:
+        print(f"done in {time.perf_counter() - start:.1f}s | val loss {val_loss:.4f}")
+        print(f"sample: {text!r}")
+    if metrics is not None:
+        metrics.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
