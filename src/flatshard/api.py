@@ -160,11 +160,11 @@ def _build_state(
             slots.setdefault(id(p), []).append((module, name))
     stats = CommStats()
     units = []
-    for index, (module, params) in enumerate(zip(plan.unit_modules, owned, strict=True)):
-        if not params:
+    for module, params in zip(plan.unit_modules, owned, strict=True):
+        if not params:  # a matched module whose parameters all belong to an ancestor
             continue
-        is_root = module is model
-        reshard = strategy is ShardingStrategy.FULL_SHARD and not is_root
+        # The root's backward comes first, so resharding it after forward would only regather.
+        reshard = strategy is ShardingStrategy.FULL_SHARD and module is not model
         unit = Unit(
             len(units),
             module,
@@ -175,7 +175,6 @@ def _build_state(
             stats=stats,
             reshard_after_forward=reshard,
         )
-        del index
         units.append(unit)
     return ShardedState(
         units, group=group, stats=stats, timeout=timeout, strategy=strategy.value, device=device

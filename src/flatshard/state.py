@@ -80,6 +80,7 @@ class ShardedState:
         self._inflight: deque[PendingReduce] = deque()
         self._reduced: list[PendingReduce] = []
         self.final_callback_queued = False
+        self.hook_handles: list = []  # forward hooks on the unit modules
 
     # ---- gathering ---------------------------------------------------------------------------
     def ensure_gathered(self, unit: Unit) -> None:

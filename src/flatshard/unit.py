@@ -72,8 +72,7 @@ class Unit:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         self.groups: list[FlatGroup] = []
         self.slots: list[Slot] = []
-        for key, members in _group_by_kind(params).items():
-            del key
+        for members in _group_by_kind(params).values():
             flat = FlatGroup(members, rank=rank, world=world, device=device)
             gi = len(self.groups)
             self.groups.append(flat)
@@ -95,9 +94,6 @@ class Unit:
         self.grad.used = [torch.zeros(len(g.specs), dtype=torch.bool) for g in self.groups]
 
     # ---- parameter placement -----------------------------------------------------------------
-    def fragments(self) -> list[nn.Parameter]:
-        return [spec.fragment for g in self.groups for spec in g.specs]
-
     def install_fragments(self) -> None:
         for slot in self.slots:
             slot.module._parameters[slot.name] = self.groups[slot.group].specs[slot.index].fragment
