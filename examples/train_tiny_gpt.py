@@ -19,6 +19,7 @@ import os
 import resource
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ import flatshard as fs
 from flatshard.data import ByteTokenizer, embedded_documents, train_val_split
 from flatshard.models import GPT, Block, GPTConfig
 from flatshard.packing import (
+    PackedBatch,
     PackedBatchSampler,
     collate,
     global_token_count,
@@ -36,11 +38,21 @@ from flatshard.packing import (
 )
 
 TOK = ByteTokenizer()
+Docs = list[list[int]]  # token-id documents (or chunks of them)
+
+
+@dataclass(frozen=True)
+class Dist:
+    """Where this process runs: its rank, the world size and its compute device."""
+
+    rank: int
+    world: int
+    device: torch.device
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=150, help="optimizer steps")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per packed row (<= 256)")
     p.add_argument("--rows", type=int, default=4, help="packed rows per rank per step")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
@@ -51,7 +63,7 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def init_distributed() -> tuple[int, int, torch.device]:
+def init_distributed() -> Dist:
     """Join torchrun's process group: NCCL on one GPU per rank if CUDA exists, else Gloo."""
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -60,10 +72,10 @@ def init_distributed() -> tuple[int, int, torch.device]:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
-    return dist.get_rank(), dist.get_world_size(), device
+    return Dist(dist.get_rank(), dist.get_world_size(), device)
 
 
-def tokenized_chunks(docs: list[str], seq_len: int) -> list[list[int]]:
+def tokenized_chunks(docs: list[str], seq_len: int) -> Docs:
     """Byte tokens (+ eos) of every document, long ones cut into pieces of at most seq_len."""
     encoded = TOK.encode_documents(docs)
     chunks = split_long_documents([len(d) for d in encoded], seq_len)
@@ -104,6 +116,22 @@ def warmup_cosine(warmup: int, total: int, floor: float = 0.1) -> Callable[[int]
     return factor
 
 
+def make_sampler(chunks: Docs, args: argparse.Namespace, d: Dist, shuffle: bool):
+    """Packs ``chunks`` into bins of ``--seq-len`` and deals ``--rows`` bins per rank per step
+    (one micro-batch), the same number of micro-batches on every rank."""
+    lengths = [len(c) for c in chunks]
+    return PackedBatchSampler(
+        lengths, args.seq_len, rank=d.rank, world_size=d.world,
+        bins_per_micro_batch=args.rows, seed=args.seed, shuffle=shuffle,
+    )  # fmt: skip
+
+
+def to_batch(chunks: Docs, indices: list[int], args: argparse.Namespace, d: Dist) -> PackedBatch:
+    """One fixed-shape packed micro-batch ``[rows, seq_len]`` (all padding if ``indices`` is [])."""
+    docs = [chunks[i] for i in indices]
+    return collate(docs, args.seq_len, pad_id=TOK.pad_id, rows=args.rows).to(d.device)
+
+
 def endless(sampler: PackedBatchSampler) -> Iterator[list[list[int]]]:
     """This rank's micro-batches step after step, epoch after epoch."""
     epoch = 0
@@ -113,40 +141,34 @@ def endless(sampler: PackedBatchSampler) -> Iterator[list[list[int]]]:
         epoch += 1
 
 
-def train_step(model, opt, sched, step_docs, args, world, device) -> dict[str, float]:
-    """One optimizer step over this rank's micro-batches; returns global loss/tokens/norm."""
-    batches = [collate(d, args.seq_len, pad_id=TOK.pad_id, rows=args.rows).to(device) for d in step_docs]
+def train_step(model: GPT, opt, sched, batches: list[PackedBatch], d: Dist) -> dict:
+    """One optimizer step over this rank's micro-batches; returns global loss, tokens, norm."""
     targets = global_token_count([b.labels for b in batches])  # all ranks, all micro-batches
-    loss_sum = torch.zeros((), device=device)
-    real = 0
-    for b in batches:  # same count on every rank (the sampler guarantees it)
+    loss_sum, real_tokens = 0.0, 0
+    for b in batches:  # the same count on every rank (the sampler guarantees it)
         logits = model(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen)  # [R, T, V]
-        loss = packed_cross_entropy(logits, b.labels, targets, world_size=world)
+        loss = packed_cross_entropy(logits, b.labels, targets, world_size=d.world)
         loss.backward()
-        loss_sum += loss.detach()
-        real += int((b.input_ids != TOK.pad_id).sum())
+        loss_sum += loss.item()
+        real_tokens += int((b.input_ids != TOK.pad_id).sum())
     grad_norm = fs.clip_grad_norm_(model, max_norm=1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
     sched.step()
-    # rank r's loss is world * (its token-loss sum) / G: the global mean is the sum over ranks / W
-    stats = torch.stack([loss_sum, torch.tensor(float(real), device=device)])
+    # Rank r's loss is W * (its token-loss sum) / G, so the global mean is (sum over ranks) / W.
+    stats = torch.tensor([loss_sum, float(real_tokens)], device=d.device)
     dist.all_reduce(stats)
-    return {"loss": stats[0].item() / world, "tokens": stats[1].item(), "grad_norm": grad_norm.item()}
+    loss_mean, tokens = stats[0].item() / d.world, stats[1].item()
+    return {"loss": loss_mean, "tokens": tokens, "grad_norm": grad_norm.item()}
 
 
 @torch.no_grad()
-def evaluate(model, chunks, args, rank, world, device, max_steps: int = 4) -> float:
-    """Mean token loss over up to ``max_steps`` packed validation steps (lockstep on all ranks)."""
-    sampler = PackedBatchSampler(
-        [len(c) for c in chunks], args.seq_len, rank=rank, world_size=world,
-        bins_per_micro_batch=args.rows, shuffle=False,
-    )  # fmt: skip
-    totals = torch.zeros(2, device=device)  # [token-loss sum, target count]
-    for _, step_docs in zip(range(max_steps), sampler, strict=False):
-        for docs in step_docs:
-            b = collate([chunks[i] for i in docs], args.seq_len, pad_id=TOK.pad_id, rows=args.rows)
-            b = b.to(device)
+def evaluate(model: GPT, chunks: Docs, args: argparse.Namespace, d: Dist) -> float:
+    """Mean token loss over the whole (small) validation split, in lockstep on all ranks."""
+    totals = torch.zeros(2, device=d.device)  # [token-loss sum, target count]
+    for step in make_sampler(chunks, args, d, shuffle=False):
+        for indices in step:
+            b = to_batch(chunks, indices, args, d)
             logits = model(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen)
             totals[0] += GPT.loss(logits, b.labels, reduction="sum")
             totals[1] += b.num_targets
@@ -169,49 +191,56 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def main() -> None:
-    args = parse_args()
-    rank, world, device = init_distributed()
-    torch.manual_seed(args.seed)  # same init on every rank
-    train_docs, val_docs = train_val_split(embedded_documents())
-    train, val = tokenized_chunks(train_docs, args.seq_len), tokenized_chunks(val_docs, args.seq_len)
-    model = build_model(device)
+def train(model: GPT, chunks: Docs, args: argparse.Namespace, d: Dist, metrics) -> None:
+    """The training loop: rank 0 prints every ``--log-every`` steps and writes every step."""
     opt = build_optimizer(model, args.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.warmup, args.steps))
-    sampler = PackedBatchSampler(
-        [len(c) for c in train], args.seq_len, rank=rank, world_size=world,
-        bins_per_micro_batch=args.rows, seed=args.seed,
-    )  # fmt: skip
-    metrics = None
-    if rank == 0:
-        print(f"world={world} device={device} params={model.num_params():,} "
-              f"train chunks={len(train)} val chunks={len(val)}", flush=True)  # fmt: skip
-        if args.out is not None:
-            args.out.mkdir(parents=True, exist_ok=True)
-            metrics = (args.out / "metrics.jsonl").open("w")
-    batches = endless(sampler)
-    start = time.perf_counter()
+    steps = endless(make_sampler(chunks, args, d, shuffle=True))
     for step in range(1, args.steps + 1):
         lr = sched.get_last_lr()[0]
         t0 = time.perf_counter()
-        docs = [[train[i] for i in mb] for mb in next(batches)]
-        out = train_step(model, opt, sched, docs, args, world, device)
-        row = {"step": step, "loss": out["loss"], "grad_norm": out["grad_norm"], "lr": lr,
-               "tokens_per_s": out["tokens"] / (time.perf_counter() - t0),
-               "peak_mem_mb": peak_rss_mb()}  # fmt: skip
+        batches = [to_batch(chunks, indices, args, d) for indices in next(steps)]
+        out = train_step(model, opt, sched, batches, d)
+        tokens_per_s = out["tokens"] / (time.perf_counter() - t0)
+        row = {"step": step, "loss": out["loss"], "tokens_per_s": tokens_per_s}
+        row.update(peak_mem_mb=peak_rss_mb(), lr=lr, grad_norm=out["grad_norm"])
         if metrics is not None:
             metrics.write(json.dumps(row) + "\n")
-        if rank == 0 and (step % args.log_every == 0 or step in (1, args.steps)):
-            print("step {step:4d} | loss {loss:.4f} | grad norm {grad_norm:.3f} | lr {lr:.2e} | "
-                  "{tokens_per_s:,.0f} tok/s | peak RSS {peak_mem_mb:.0f} MB".format(**row),
-                  flush=True)  # fmt: skip
-    val_loss = evaluate(model, val, args, rank, world, device)
-    text = sample_text(model, "Return the ", device, args.seed)
-    if rank == 0:
-        print(f"done in {time.perf_counter() - start:.1f}s | val loss {val_loss:.4f}")
-        print(f"sample: {text!r}")
+        if d.rank == 0 and (step % args.log_every == 0 or step in (1, args.steps)):
+            print(
+                "step {step:4d} | loss {loss:.4f} | grad norm {grad_norm:.3f} | lr {lr:.2e} | "
+                "{tokens_per_s:,.0f} tok/s | peak RSS {peak_mem_mb:.0f} MB".format(**row),
+                flush=True,
+            )
+
+
+def main() -> None:
+    args = parse_args()
+    d = init_distributed()
+    torch.manual_seed(args.seed)  # identical initial weights on every rank
+    train_docs, val_docs = train_val_split(embedded_documents())
+    train_chunks = tokenized_chunks(train_docs, args.seq_len)
+    val_chunks = tokenized_chunks(val_docs, args.seq_len)
+    model = build_model(d.device)
+    metrics = None
+    if d.rank == 0:
+        print(
+            f"world={d.world} device={d.device} params={model.num_params():,} "
+            f"train chunks={len(train_chunks)} val chunks={len(val_chunks)}",
+            flush=True,
+        )
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            metrics = (args.out / "metrics.jsonl").open("w")
+    start = time.perf_counter()
+    train(model, train_chunks, args, d, metrics)
     if metrics is not None:
         metrics.close()
+    val_loss = evaluate(model, val_chunks, args, d)
+    text = sample_text(model, "Return the ", d.device, args.seed)
+    if d.rank == 0:
+        print(f"trained in {time.perf_counter() - start:.1f}s | val loss {val_loss:.4f}")
+        print(f"sample: {text!r}")
     dist.destroy_process_group()
 
 

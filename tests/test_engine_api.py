@@ -235,3 +235,48 @@ def test_shard_grad_op_matches_single_process(dist_pools, name):
     r = dist_pools(3).run(train_parity, name, 5, 2, "shard_grad_op")[0]
     assert r["none_mismatch"] == []
     assert max(r["sd_err"], r["grad_err"], r["loss_err"]) <= 1e-5
+
+
+def _lm(net: nn.Module, data: torch.Tensor) -> torch.Tensor:
+    logits = net(data[:, :-1])
+    return nn.functional.cross_entropy(logits.flatten(0, 1), data[:, 1:].flatten())
+
+
+def case_usage_patterns() -> dict[str, float]:
+    """Accumulation over two backward calls, two forwards then one backward, a grad-enabled
+    forward that never gets a backward followed by an optimizer step, and no-grad eval."""
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    model = fs.shard(copy.deepcopy(ref), policy=fs.wrap.by_type(Block))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator().manual_seed(0)
+    errs = {}
+    for pattern in ("two_backwards", "two_forwards_one_backward", "stale_forward"):
+        batches = [torch.randint(0, 50, (2 * world, 13), generator=gen) for _ in range(2)]
+        local = [b.chunk(world)[rank] for b in batches]
+        if pattern == "two_backwards":
+            for b in local:
+                (_lm(model, b) / 2).backward()
+        elif pattern == "two_forwards_one_backward":
+            ((_lm(model, local[0]) + _lm(model, local[1])) / 2).backward()
+        else:
+            (_lm(model, local[0]) / 2 + _lm(model, local[1]) / 2).backward()
+            _lm(model, local[0])  # grad-enabled forward, no backward: root stays gathered
+        sum(_lm(ref, b) / 2 for b in batches).backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+        with torch.no_grad():
+            probe = batches[0][:, :-1]
+            errs[pattern] = rel_err(model(probe), ref(probe))  # must see the stepped params
+    full = fs.full_state_dict(model)
+    if rank == 0:
+        errs["params"] = max(rel_err(full[k], v) for k, v in ref.state_dict().items())
+    return errs
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_accumulation_multi_forward_stale_and_eval(dist_pools, world):
+    for errs in dist_pools(world).run(case_usage_patterns):
+        assert max(errs.values()) <= 1e-5, errs
