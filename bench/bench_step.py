@@ -144,6 +144,9 @@ def summarize(runners: list[Runner], args: argparse.Namespace) -> dict:
             "times_s": r.times,
             "losses": r.losses,
         }
+        if "ddp" in by:  # same init, same data: flatshard and fsdp2 must track DDP's loss
+            d = max(abs(a - b) for a, b in zip(r.losses, by["ddp"].losses, strict=True))
+            out["modes"][r.name]["max_loss_diff_vs_ddp"] = d
     for a, b in RATIOS:
         if a in by and b in by:
             ta, tb = by[a].times[WARMUP:], by[b].times[WARMUP:]
@@ -177,12 +180,13 @@ def print_report(out: dict, rss: dict[str, float]) -> None:
     print(f"\n== bench_step  world={out['world']}  d={cfg['d']} L={cfg['layers']} V={cfg['vocab']} "
           f"H={cfg['heads']} batch={cfg['batch']}x{cfg['seq']}  rounds={cfg['steps']} "
           f"(first {WARMUP} discarded)")  # fmt: skip
-    head = ("mode", "median s", "tok/s/rank", "min s", "max s", "last loss")
-    print("{:<10} {:>9} {:>11} {:>8} {:>8} {:>10}".format(*head))
+    head = ("mode", "median s", "tok/s/rank", "min s", "max s", "last loss", "|dloss| vs ddp")
+    print("{:<10} {:>9} {:>11} {:>8} {:>8} {:>10} {:>14}".format(*head))
     for name, m in out["modes"].items():
         ts = m["times_s"][WARMUP:]
         print(f"{name:<10} {m['median_step_s']:>9.3f} {m['tokens_per_s_rank']:>11.0f} "
-              f"{min(ts):>8.3f} {max(ts):>8.3f} {m['losses'][-1]:>10.5f}")  # fmt: skip
+              f"{min(ts):>8.3f} {max(ts):>8.3f} {m['losses'][-1]:>10.5f} "
+              f"{m.get('max_loss_diff_vs_ddp', float('nan')):>14.2e}")  # fmt: skip
     print(f"\n{'ratio':<18} {'of medians':>10} {'paired median':>14}")
     for k, v in out["ratios"].items():
         print(f"{k:<18} {v['of_medians']:>10.3f} {v['paired_median']:>14.3f}")

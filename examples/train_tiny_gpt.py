@@ -1,13 +1,12 @@
 """Train the reference tiny GPT with flatshard on the embedded corpus, with sequence packing.
 
-The project's "main job" until ``flatshard train`` lands. Two local CPU ranks (Gloo)::
+The "main job" until ``flatshard train`` lands; on two local CPU ranks (Gloo)::
 
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 examples/train_tiny_gpt.py [--steps N] [--out DIR]
 
-Every rank builds the same model from the same seed, ``fs.shard`` keeps 1/world of each ``Block``
-(and of the root's embedding/norm) per rank, and the packed sampler deals each rank the same
-number of micro-batches per step, so the collectives issued by forward/backward stay in lockstep.
-The loss is normalised over the step's *global* target tokens (see docs/packing.md).
+Every rank builds the same model from the same seed and ``fs.shard`` keeps 1/world of it per rank.
+The sampler gives every rank the same number of micro-batches per step, so the collectives of
+forward/backward stay in lockstep; the loss is normalised over the step's *global* target tokens.
 """
 
 from __future__ import annotations
@@ -21,9 +20,11 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import torch
 import torch.distributed as dist
+from torch.optim.lr_scheduler import LambdaLR
 
 import flatshard as fs
 from flatshard.data import ByteTokenizer, embedded_documents, train_val_split
@@ -116,14 +117,14 @@ def warmup_cosine(warmup: int, total: int, floor: float = 0.1) -> Callable[[int]
     return factor
 
 
-def make_sampler(chunks: Docs, args: argparse.Namespace, d: Dist, shuffle: bool):
-    """Packs ``chunks`` into bins of ``--seq-len`` and deals ``--rows`` bins per rank per step
-    (one micro-batch), the same number of micro-batches on every rank."""
+def make_sampler(
+    chunks: Docs, args: argparse.Namespace, d: Dist, shuffle: bool
+) -> PackedBatchSampler:
+    """Packs ``chunks`` into bins of ``--seq-len`` tokens; each step gives every rank one
+    micro-batch of ``--rows`` bins (collate it with ``rows=--rows``)."""
     lengths = [len(c) for c in chunks]
-    return PackedBatchSampler(
-        lengths, args.seq_len, rank=d.rank, world_size=d.world,
-        bins_per_micro_batch=args.rows, seed=args.seed, shuffle=shuffle,
-    )  # fmt: skip
+    kw = {"rank": d.rank, "world_size": d.world, "seed": args.seed, "shuffle": shuffle}
+    return PackedBatchSampler(lengths, args.seq_len, bins_per_micro_batch=args.rows, **kw)
 
 
 def to_batch(chunks: Docs, indices: list[int], args: argparse.Namespace, d: Dist) -> PackedBatch:
@@ -141,7 +142,9 @@ def endless(sampler: PackedBatchSampler) -> Iterator[list[list[int]]]:
         epoch += 1
 
 
-def train_step(model: GPT, opt, sched, batches: list[PackedBatch], d: Dist) -> dict:
+def train_step(
+    model: GPT, opt: torch.optim.Optimizer, sched: LambdaLR, batches: list[PackedBatch], d: Dist
+) -> dict[str, float]:
     """One optimizer step over this rank's micro-batches; returns global loss, tokens, norm."""
     targets = global_token_count([b.labels for b in batches])  # all ranks, all micro-batches
     loss_sum, real_tokens = 0.0, 0
@@ -187,14 +190,12 @@ def sample_text(model: GPT, prompt: str, device: torch.device, seed: int, n: int
     return TOK.decode(out)
 
 
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-
-
-def train(model: GPT, chunks: Docs, args: argparse.Namespace, d: Dist, metrics) -> None:
+def train(
+    model: GPT, chunks: Docs, args: argparse.Namespace, d: Dist, metrics: IO[str] | None
+) -> None:
     """The training loop: rank 0 prints every ``--log-every`` steps and writes every step."""
     opt = build_optimizer(model, args.lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.warmup, args.steps))
+    sched = LambdaLR(opt, warmup_cosine(args.warmup, args.steps))
     steps = endless(make_sampler(chunks, args, d, shuffle=True))
     for step in range(1, args.steps + 1):
         lr = sched.get_last_lr()[0]
@@ -203,7 +204,8 @@ def train(model: GPT, chunks: Docs, args: argparse.Namespace, d: Dist, metrics) 
         out = train_step(model, opt, sched, batches, d)
         tokens_per_s = out["tokens"] / (time.perf_counter() - t0)
         row = {"step": step, "loss": out["loss"], "tokens_per_s": tokens_per_s}
-        row.update(peak_mem_mb=peak_rss_mb(), lr=lr, grad_norm=out["grad_norm"])
+        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+        row.update(peak_mem_mb=peak_mb, lr=lr, grad_norm=out["grad_norm"])
         if metrics is not None:
             metrics.write(json.dumps(row) + "\n")
         if d.rank == 0 and (step % args.log_every == 0 or step in (1, args.steps)):
@@ -224,11 +226,7 @@ def main() -> None:
     model = build_model(d.device)
     metrics = None
     if d.rank == 0:
-        print(
-            f"world={d.world} device={d.device} params={model.num_params():,} "
-            f"train chunks={len(train_chunks)} val chunks={len(val_chunks)}",
-            flush=True,
-        )
+        print(f"world={d.world} device={d.device} params={model.num_params():,}", flush=True)
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)
             metrics = (args.out / "metrics.jsonl").open("w")

@@ -78,6 +78,8 @@ def register_hooks(state: ShardedState) -> list[Any]:
 
 
 def _pre_forward(state: ShardedState, unit: Unit, module, args, kwargs):
+    if state.summoned:  # full parameters are already installed; no collective may run
+        return None
     state.forward_order.observe(unit)
     state.ensure_gathered(unit)
     state.prefetch(state.forward_order.after(unit))
@@ -86,6 +88,8 @@ def _pre_forward(state: ShardedState, unit: Unit, module, args, kwargs):
 
 
 def _post_forward(state: ShardedState, unit: Unit, module, args, kwargs, output):
+    if state.summoned:
+        return None
     unit.install_fragments()
     if unit.reshard_after_forward:
         unit.reshard(state.timeout)

@@ -81,6 +81,7 @@ class ShardedState:
         self._reduced: list[PendingReduce] = []
         self.final_callback_queued = False
         self.hook_handles: list = []  # forward hooks on the unit modules
+        self.summoned = False  # inside summon_full_params: hooks stand aside
 
     # ---- gathering ---------------------------------------------------------------------------
     def ensure_gathered(self, unit: Unit) -> None:

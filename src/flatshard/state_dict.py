@@ -125,15 +125,21 @@ def _agree_or_raise(error: str | None, state: ShardedState) -> None:
 @contextmanager
 def summon_full_params(model: nn.Module, writeback: bool = True) -> Iterator[nn.Module]:
     """Inside the block every parameter of ``model`` is its full tensor; with ``writeback``
-    the edits made to them are written back to the shards on exit. Every rank must enter."""
+    the edits made to them are written back to the shards on exit. Every rank must enter;
+    inside, forward runs on the full parameters without any collective (so one rank alone may
+    run it, e.g. to generate), and no gradient reaches the shards."""
     state = get_state(model)
+    if state.summoned:
+        raise ValueError("summon_full_params is already active for this model; do not nest it")
     with torch.no_grad():
         for unit in state.units:
             state.ensure_gathered(unit)
             unit.install_views([g.full_views() for g in unit.groups])
+    state.summoned = True
     try:
         yield model
     finally:
+        state.summoned = False
         with torch.no_grad():
             rank = dist.get_rank(state.group)
             for unit in state.units:
