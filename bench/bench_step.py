@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import time
@@ -166,13 +167,8 @@ def comm_summary(r: Runner) -> dict:
     """flatshard's own per-step accounting (last step; flags any step-to-step change)."""
     last = r.comm[-1]
     steady = all(c == last for c in r.comm[WARMUP:])
-    calls = last["calls"]
-    return {
-        "calls": calls,
-        "bytes": last["bytes"],
-        "collectives": sum(calls.values()),
-        "steady": steady,
-    }
+    n = sum(last["calls"].values())
+    return {"calls": last["calls"], "bytes": last["bytes"], "collectives": n, "steady": steady}
 
 
 def print_report(out: dict, rss: dict[str, float]) -> None:
@@ -199,6 +195,7 @@ def print_report(out: dict, rss: dict[str, float]) -> None:
             print(f"  {op:<16} calls={n:<4} bytes={c['bytes'][op] / 2**20:9.2f} MiB")
     for name, mb in rss.items():
         print(f"peak RSS {name}: " + "  ".join(f"rank{i}={v:.0f} MB" for i, v in enumerate(mb)))
+    print("load average (1 min) at start, end: {:.2f}, {:.2f}".format(*out["loadavg_1m"]))
 
 
 def peak_rss_mb() -> float:
@@ -234,13 +231,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     dist.init_process_group("gloo")
-    base = gather_floats(peak_rss_mb())
+    base, load0 = gather_floats(peak_rss_mb()), os.getloadavg()
     modes: tuple[str, ...] = MODES if args.mode == "all" else (args.mode,)
     runners = [build(m, args) for m in modes]
     run_rounds(runners, args)
     out = summarize(runners, args)
     rss = {"before models": base, f"end ({args.mode})": gather_floats(peak_rss_mb())}
-    out["peak_rss_mb"] = rss
+    out["peak_rss_mb"], out["loadavg_1m"] = rss, (load0[0], os.getloadavg()[0])
     if dist.get_rank() == 0:
         print_report(out, rss)
         if args.json:

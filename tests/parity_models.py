@@ -139,11 +139,11 @@ class Reused(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.inp, self.block, self.out = nn.Linear(11, 24), Block(), nn.Linear(24, 3)
+        self.inp, self.block, self.out = nn.Linear(11, 72), Block(), nn.Linear(72, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x).unflatten(-1, (2, 12)).transpose(-1, -2).tanh().flatten(-2)
-        return self.out(self.block(self.block(h.unsqueeze(1))).squeeze(1))
+        h = self.inp(x).tanh().unflatten(-1, (3, 24))  # [rows, 3 tokens, 24]
+        return self.out(self.block(self.block(h)).flatten(-2))
 
 
 def _hf_gpt2() -> nn.Module:

@@ -233,7 +233,7 @@ SECOND_STRATEGY_CASES = ["gpt_tied", "lora", "unused", "reused_unit", "hf_llama"
 def test_shard_grad_op_matches_single_process(dist_pools, name):
     assert name in CASES
     r = dist_pools(3).run(train_parity, name, 5, 2, "shard_grad_op")[0]
-    assert r["none_mismatch"] == []
+    assert r["none_mismatch"] == [] and r["noisy_fraction"] < 0.01
     assert max(r["sd_err"], r["grad_err"], r["loss_err"]) <= 1e-5
 
 
