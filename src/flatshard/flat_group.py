@@ -55,6 +55,7 @@ class FlatGroup:
         self.requires_grad = params[0].requires_grad
         self.device = device
         self.world = world
+        self.rank = rank
         total = sum(p.numel() for p in params)
         self.padded_numel = max(world, math.ceil(total / world) * world)
         self.shard_numel = self.padded_numel // world
@@ -80,6 +81,12 @@ class FlatGroup:
             specs.append(ParamSpec(param.shape, offset, n, start - lo, end - lo, fragment))
             offset += n
         return specs
+
+    def fragment_range(self, spec: ParamSpec) -> tuple[int, int]:
+        """The elements ``[start, end)`` of the flattened parameter that ``spec.fragment`` holds."""
+        shard_start = self.rank * self.shard_numel
+        start = shard_start + spec.local_start - spec.offset
+        return start, start + (spec.local_end - spec.local_start)
 
     # ---- full buffer -------------------------------------------------------------------------
     @property
