@@ -17,6 +17,7 @@ import traceback
 import torch.multiprocessing as mp
 
 CASE_TIMEOUT_S = float(os.environ.get("FLATSHARD_TEST_CASE_TIMEOUT_S", 240))
+ERROR_GRACE_S = 5.0
 
 
 def _free_port() -> int:
@@ -84,12 +85,18 @@ class DistPool:
         errors: list[str] = []
         try:
             for _ in range(self.world):
-                rank, ok, value = self._results.get(timeout=timeout)
+                # After a failure the other ranks are usually stuck in a collective: give them
+                # a few seconds to report their own error, then stop waiting.
+                wait = ERROR_GRACE_S if errors else timeout
+                rank, ok, value = self._results.get(timeout=wait)
                 if ok:
                     results[rank] = value
                 else:
                     errors.append(f"--- rank {rank} ---\n{value}")
         except queue.Empty:
+            if errors:
+                self._restart()
+                raise AssertionError(f"{fn.__name__} failed:\n" + "\n".join(errors)) from None
             self._restart()
             raise TimeoutError(
                 f"{fn.__name__} did not finish on every rank in {timeout}s"

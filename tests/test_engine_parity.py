@@ -7,12 +7,30 @@ from parity_models import CASES, train_parity
 TOLERANCE = 1e-5
 
 
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_full_shard_matches_single_process(dist_pools, name, world):
-    r = dist_pools(world).run(train_parity, name)[0]
+HARD_CASES = ["gpt_tied", "lora", "unused", "reused_unit", "hf_gpt2", "hf_llama"]
+
+
+def _check(r: dict, name: str, world: int) -> None:
     assert r["none_mismatch"] == [], f"grad None-ness differs for {r['none_mismatch']}"
     assert r["grad_err"] <= TOLERANCE, f"{name} at world {world}: grad rel err {r['grad_err']:.2e}"
     assert r["sd_err"] <= TOLERANCE, f"{name} at world {world}: params rel err {r['sd_err']:.2e}"
     assert r["loss_err"] <= TOLERANCE, f"{name} at world {world}: loss rel err {r['loss_err']:.2e}"
     assert r["noisy_fraction"] < 0.01, f"{r['noisy_fraction']:.1%} of elements at the noise floor"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_full_shard_matches_single_process(dist_pools, name, world):
+    _check(dist_pools(world).run(train_parity, name)[0], name, world)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("strategy", ["shard_grad_op", "no_shard"])
+@pytest.mark.parametrize("name", HARD_CASES)
+def test_other_strategies_match_single_process(dist_pools, name, strategy, world):
+    _check(dist_pools(world).run(train_parity, name, 5, 2, strategy)[0], name, world)
+
+
+@pytest.mark.parametrize("name", HARD_CASES)
+def test_hybrid_shard_2x2_matches_single_process(dist_pools, name):
+    _check(dist_pools(4).run(train_parity, name, 5, 2, "hybrid_shard")[0], name, 4)

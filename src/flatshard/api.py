@@ -6,14 +6,13 @@ import datetime
 import enum
 import os
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from . import hooks
 from .collectives import CommStats
 from .fingerprint import check_ranks_agree
-from .mesh import compute_device, require_initialized, shard_group
+from .mesh import Topology, require_initialized, resolve_topology
 from .state import ShardedState
 from .unit import Unit
 from .wrap import Policy, WrapPlan, build_plan
@@ -29,7 +28,8 @@ class ShardingStrategy(str, enum.Enum):
     HYBRID_SHARD = "hybrid_shard"  # shard within a group, replicate across groups
 
 
-IMPLEMENTED_STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)
+# Strategies that free a unit's gathered parameters after its forward (ZeRO-3 style).
+RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
 
 def shard(
@@ -52,7 +52,7 @@ def shard(
     """
     strategy = _check_arguments(model, strategy, mixed_precision, offload)
     require_initialized()
-    group = shard_group(mesh)
+    topology = resolve_topology(strategy.value, mesh)
     plan = build_plan(model, policy)
     if policy is not None and not plan.matched_any:
         raise ValueError(
@@ -60,13 +60,12 @@ def shard(
             "names or sizes it selects (everything would fall into one root unit)"
         )
     _check_no_meta(model)
-    device = compute_device(group)
-    check_ranks_agree(_describe(model, plan, strategy), group)
-    state = _build_state(model, plan, strategy, group, device, _timeout(timeout_s))
+    check_ranks_agree(_describe(model, plan, strategy), dist.group.WORLD)
+    state = _build_state(model, plan, strategy, topology, _timeout(timeout_s))
     for buf_module in model.modules():
         for name, buf in buf_module._buffers.items():
-            if buf is not None and buf.device != device:
-                buf_module._buffers[name] = buf.to(device)
+            if buf is not None and buf.device != topology.device:
+                buf_module._buffers[name] = buf.to(topology.device)
     state.hook_handles = hooks.register_hooks(state)
     setattr(model, STATE_ATTR, state)
     return model
@@ -98,11 +97,6 @@ def _check_arguments(model, strategy, mixed_precision, offload) -> ShardingStrat
     except ValueError:
         choices = ", ".join(repr(s.value) for s in ShardingStrategy)
         raise ValueError(f"strategy={strategy!r} is unknown; choose one of {choices}") from None
-    if parsed not in IMPLEMENTED_STRATEGIES:
-        raise NotImplementedError(
-            f"strategy={parsed.value!r} is not available yet in this version of flatshard; "
-            "use 'full_shard' or 'shard_grad_op'"
-        )
     if mixed_precision is not None or offload is not None:
         raise NotImplementedError(
             "mixed_precision= and offload= are not available yet in this version of flatshard"
@@ -145,8 +139,7 @@ def _build_state(
     model: nn.Module,
     plan: WrapPlan,
     strategy: ShardingStrategy,
-    group: dist.ProcessGroup,
-    device: torch.device,
+    topology: Topology,
     timeout: datetime.timedelta,
 ) -> ShardedState:
     slots: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -164,18 +157,17 @@ def _build_state(
         if not params:  # a matched module whose parameters all belong to an ancestor
             continue
         # The root's backward comes first, so resharding it after forward would only regather.
-        reshard = strategy is ShardingStrategy.FULL_SHARD and module is not model
+        reshard = strategy in RESHARD_AFTER_FORWARD and module is not model
         unit = Unit(
             len(units),
             module,
             params,
             slots,
-            group=group,
-            device=device,
+            topology=topology,
             stats=stats,
             reshard_after_forward=reshard,
         )
         units.append(unit)
     return ShardedState(
-        units, group=group, stats=stats, timeout=timeout, strategy=strategy.value, device=device
+        units, topology=topology, stats=stats, timeout=timeout, strategy=strategy.value
     )

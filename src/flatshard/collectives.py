@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -44,9 +45,11 @@ class PendingWork:
     work: dist.Work | None
     op: str
     keep_alive: tuple[torch.Tensor, ...] = ()
+    then: Callable[[datetime.timedelta], None] | None = None  # runs once it has completed
 
     def wait(self, timeout: datetime.timedelta) -> None:
         if self.work is None:
+            self._run_then(timeout)
             return
         try:
             self.work.wait(timeout)
@@ -58,21 +61,29 @@ class PendingWork:
             ) from err
         self.work = None
         self.keep_alive = ()
+        self._run_then(timeout)
+
+    def _run_then(self, timeout: datetime.timedelta) -> None:
+        if self.then is not None:
+            then, self.then = self.then, None
+            then(timeout)
 
 
 def all_gather_into(
     out: torch.Tensor,
     shard: torch.Tensor,
-    group: dist.ProcessGroup,
+    group: dist.ProcessGroup | None,
     stats: CommStats,
     *,
     async_op: bool,
 ) -> PendingWork:
-    """Gather every rank's ``shard`` into ``out`` (``out.numel() == world * shard.numel()``)."""
-    stats.record("all_gather", shard)
-    if dist.get_world_size(group) == 1:
-        out.copy_(shard)
+    """Gather every rank's ``shard`` into ``out`` (``out.numel() == world * shard.numel()``).
+    ``group=None`` is a group of one: nothing to gather (callers alias ``out`` and ``shard``)."""
+    if group is None:
+        if out.data_ptr() != shard.data_ptr():
+            out.copy_(shard)
         return PendingWork(None, "all_gather")
+    stats.record("all_gather", shard)
     work = _all_gather_tensor(out, shard, group=group, async_op=async_op)
     return PendingWork(work if async_op else None, "all_gather", (out, shard))
 
@@ -87,25 +98,33 @@ def reduce_scatter_mean(
 ) -> PendingWork:
     """``out`` = this rank's chunk of the mean over ranks of ``full``."""
     stats.record("reduce_scatter", full)
-    if dist.get_world_size(group) == 1:
-        out.copy_(full)
-        return PendingWork(None, "reduce_scatter")
     work = _reduce_scatter_tensor(out, full, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
     return PendingWork(work if async_op else None, "reduce_scatter", (out, full))
 
 
+def all_reduce_mean(
+    tensor: torch.Tensor, group: dist.ProcessGroup, stats: CommStats
+) -> PendingWork:
+    """Async in-place mean over ``group`` (SUM then divide: AVG is not on every backend)."""
+    stats.record("all_reduce", tensor)
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    world = dist.get_world_size(group)
+    return PendingWork(work, "all_reduce", (tensor,), then=lambda _: tensor.div_(world))
+
+
 def all_reduce(
     tensor: torch.Tensor,
-    group: dist.ProcessGroup,
+    group: dist.ProcessGroup | None,
     stats: CommStats,
     *,
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     name: str = "all_reduce",
 ) -> None:
-    """Blocking in-place all-reduce (small tensors: flags, norms, counts)."""
+    """Blocking in-place all-reduce (small tensors: flags, norms, counts); None: a group of one."""
+    if group is None:
+        return
     stats.record(name, tensor)
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(tensor, op=op, group=group)
+    dist.all_reduce(tensor, op=op, group=group)
 
 
 def broadcast(

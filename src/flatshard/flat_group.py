@@ -25,7 +25,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import CommStats, PendingWork, all_gather_into, reduce_scatter_mean
+from .collectives import (
+    CommStats,
+    PendingWork,
+    all_gather_into,
+    all_reduce_mean,
+    reduce_scatter_mean,
+)
+from .mesh import Topology
 
 
 @dataclass
@@ -61,7 +68,13 @@ class FlatGroup:
         self.shard_numel = self.padded_numel // world
         self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
         self.specs = self._layout(params, rank)
-        self.full = torch.empty(self.padded_numel, dtype=self.dtype, device=device)
+        # Not sharded (no_shard): the shard is the full buffer, nothing to gather or free.
+        self.replicated = world == 1
+        self.full = (
+            self.shard
+            if self.replicated
+            else torch.empty(self.padded_numel, dtype=self.dtype, device=device)
+        )
         self._full_bytes = self.full.untyped_storage().nbytes()
         self.free_full()
 
@@ -98,9 +111,12 @@ class FlatGroup:
             self.full.untyped_storage().resize_(self._full_bytes)
 
     def free_full(self) -> None:
-        self.full.untyped_storage().resize_(0)
+        if not self.replicated:
+            self.full.untyped_storage().resize_(0)
 
-    def gather(self, group: dist.ProcessGroup, stats: CommStats, *, async_op: bool) -> PendingWork:
+    def gather(
+        self, group: dist.ProcessGroup | None, stats: CommStats, *, async_op: bool
+    ) -> PendingWork:
         """All-gather every rank's shard straight into ``full`` (no copy-in, no copy-out)."""
         self.allocate_full()
         return all_gather_into(self.full.data, self.shard, group, stats, async_op=async_op)
@@ -130,12 +146,21 @@ class FlatGroup:
     def zeros_flat_grad(self) -> torch.Tensor:
         return torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
 
-    def reduce_scatter(
-        self, flat_grad: torch.Tensor, group: dist.ProcessGroup, stats: CommStats
+    def start_reduce(
+        self, flat_grad: torch.Tensor, topo: Topology, stats: CommStats
     ) -> tuple[torch.Tensor, PendingWork]:
-        """Start the mean-over-ranks reduce-scatter of ``flat_grad``; returns (grad shard, work)."""
+        """Start averaging ``flat_grad`` over every data-parallel rank; returns (this rank's
+        gradient shard, work). Sharded: reduce-scatter over the shard group, then (hybrid) an
+        all-reduce of the shard over the replicate group once the first has completed."""
+        if topo.shard_group is None:  # no_shard: the flat gradient is the shard's gradient
+            if topo.replicate_group is None:
+                return flat_grad, PendingWork(None, "none")
+            return flat_grad, all_reduce_mean(flat_grad, topo.replicate_group, stats)
         grad_shard = torch.empty(self.shard_numel, dtype=self.dtype, device=self.device)
-        work = reduce_scatter_mean(grad_shard, flat_grad, group, stats, async_op=True)
+        work = reduce_scatter_mean(grad_shard, flat_grad, topo.shard_group, stats, async_op=True)
+        if topo.replicate_group is not None:
+            replicate = topo.replicate_group
+            work.then = lambda t: all_reduce_mean(grad_shard, replicate, stats).wait(t)
         return grad_shard, work
 
     def assign_grads(self, grad_shard: torch.Tensor, used: torch.Tensor) -> None:

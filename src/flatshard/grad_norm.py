@@ -15,8 +15,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     """Scale every gradient so that the global ``norm_type``-norm is at most ``max_norm``.
 
     Equals ``torch.nn.utils.clip_grad_norm_`` on the unsharded model: each element lives on
-    exactly one rank (padding holds no gradient), so the p-th powers add up across ranks and the
-    inf-norm is the maximum across ranks. Returns the total norm (before clipping) on every rank.
+    exactly one rank of the shard group (padding holds no gradient), so the p-th powers add up
+    over that group and the inf-norm is its maximum; replicas (no_shard, hybrid_shard) hold
+    identical gradients and are not summed again. Returns the total norm (before clipping).
     """
     state = get_state(model)
     norm_type = float(norm_type)

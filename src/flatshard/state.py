@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import CommStats, PendingWork, all_reduce
+from .mesh import Topology
 from .unit import ParamState, Unit
 
 
@@ -61,16 +62,16 @@ class ShardedState:
         self,
         units: list[Unit],
         *,
-        group: dist.ProcessGroup,
+        topology: Topology,
         stats: CommStats,
         timeout: datetime.timedelta,
         strategy: str,
-        device: torch.device,
         max_inflight_reduces: int = 2,
     ) -> None:
         self.units = units
-        self.device = device
-        self.group = group
+        self.topology = topology
+        self.device = topology.device
+        self.group = topology.shard_group  # parameters are sharded over it (None: not sharded)
         self.stats = stats
         self.timeout = timeout
         self.strategy = strategy
@@ -108,7 +109,7 @@ class ShardedState:
             if flat is None:
                 flat = group.zeros_flat_grad()
             used = unit.grad.used[gi]
-            grad_shard, work = group.reduce_scatter(flat, self.group, self.stats)
+            grad_shard, work = group.start_reduce(flat, self.topology, self.stats)
             self._inflight.append(PendingReduce(unit, gi, grad_shard, used, work))
         unit.reset_grad_state()
         # Bound the memory held by flat gradients still being reduced.
@@ -141,5 +142,6 @@ class ShardedState:
     def _agree_on_usage(self, masks: list[torch.Tensor]) -> list[torch.Tensor]:
         """A parameter used on any rank gets a gradient on every rank (one small all-reduce)."""
         flags = torch.cat(masks).to(device=self.device, dtype=torch.int32)
-        all_reduce(flags, self.group, self.stats, op=dist.ReduceOp.MAX, name="usage_all_reduce")
+        for group in self.topology.groups:  # shard then replicate: together every rank
+            all_reduce(flags, group, self.stats, op=dist.ReduceOp.MAX, name="usage_all_reduce")
         return list(flags.cpu().split([len(m) for m in masks]))

@@ -1,7 +1,8 @@
 """Full (unsharded) state dicts and full parameters on demand.
 
 Both directions go unit by unit, so the device never holds more than one gathered unit beyond
-what training already holds; rank 0 is the only rank that holds (or reads) the full CPU copy.
+what training already holds; global rank 0 is the only rank that holds (or reads) the full CPU
+copy, so the model's mesh must include every rank of the default group.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Rank 0: full CPU tensors keyed exactly like the unsharded model's ``state_dict()``
     (tied names included). Other ranks: ``{}``. Every rank must call it (it gathers)."""
     state = get_state(model)
-    is_rank0 = dist.get_rank(state.group) == 0
+    is_rank0 = dist.get_rank() == 0
     refs = model.state_dict(keep_vars=True)
     where = _fragment_locations(state)
     keys_of_unit: dict[int, list[tuple[str, int, int]]] = {}
@@ -69,7 +70,7 @@ def load_full_state_dict(model: nn.Module, sd: dict, *, strict: bool = True) -> 
     """
     state = get_state(model)
     state.reshard_all()
-    rank = dist.get_rank(state.group)
+    rank = dist.get_rank()
     refs = model.state_dict(keep_vars=True)
     _agree_or_raise(_check_full_sd(sd, refs, strict) if rank == 0 else None, state)
     where = _fragment_locations(state)
@@ -84,7 +85,7 @@ def load_full_state_dict(model: nn.Module, sd: dict, *, strict: bool = True) -> 
         if id(value) not in where and torch.is_tensor(value):
             source = sd[key].to(value.device, value.dtype) if rank == 0 else value.detach()
             buf = source.contiguous().clone()
-            broadcast(buf, 0, state.group, state.stats)
+            broadcast(buf, 0, dist.group.WORLD, state.stats)
             value.copy_(buf)
 
 
@@ -94,8 +95,8 @@ def _load_group(group, sd: dict, first_key: dict, rank: int, state: ShardedState
         for spec in group.specs:
             src = sd[first_key[id(spec.fragment)]]
             full[spec.offset : spec.offset + spec.numel].copy_(src.reshape(-1))
-    broadcast(full, 0, state.group, state.stats)
-    lo = dist.get_rank(state.group) * group.shard_numel
+    broadcast(full, 0, dist.group.WORLD, state.stats)
+    lo = group.rank * group.shard_numel
     group.shard.copy_(full[lo : lo + group.shard_numel])
 
 
@@ -115,9 +116,8 @@ def _check_full_sd(sd: dict, refs: dict, strict: bool) -> str | None:
 
 def _agree_or_raise(error: str | None, state: ShardedState) -> None:
     box = [error]
-    if dist.get_world_size(state.group) > 1:
-        src = dist.get_global_rank(state.group, 0)
-        dist.broadcast_object_list(box, src=src, group=state.group)
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
     if box[0] is not None:
         raise ValueError(f"[flatshard rank {dist.get_rank()}] {box[0]}")
 
@@ -141,11 +141,10 @@ def summon_full_params(model: nn.Module, writeback: bool = True) -> Iterator[nn.
     finally:
         state.summoned = False
         with torch.no_grad():
-            rank = dist.get_rank(state.group)
             for unit in state.units:
                 unit.install_fragments()
                 if writeback:
                     for g in unit.groups:
-                        lo = rank * g.shard_numel
+                        lo = g.rank * g.shard_numel
                         g.shard.copy_(g.full.data[lo : lo + g.shard_numel])
             state.reshard_all()

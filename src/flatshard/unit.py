@@ -17,11 +17,11 @@ import enum
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .collectives import CommStats, PendingWork
 from .flat_group import FlatGroup
+from .mesh import Topology
 
 
 class ParamState(enum.Enum):
@@ -59,17 +59,16 @@ class Unit:
         params: list[nn.Parameter],
         slots_by_param: dict[int, list[tuple[nn.Module, str]]],
         *,
-        group: dist.ProcessGroup,
-        device: torch.device,
+        topology: Topology,
         stats: CommStats,
         reshard_after_forward: bool,
     ) -> None:
         self.index = index
         self.module = module
-        self.process_group = group
+        self.process_group = topology.shard_group
         self.stats = stats
         self.reshard_after_forward = reshard_after_forward
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        rank, world, device = topology.shard_rank, topology.shard_world, topology.device
         self.groups: list[FlatGroup] = []
         self.slots: list[Slot] = []
         for members in _group_by_kind(params).values():

@@ -1,0 +1,61 @@
+"""Small object collectives so that a failure on one rank is raised on every rank (no hang).
+
+Checkpoints involve every rank of the default group, as ``fs.full_state_dict`` does: with
+replication (``hybrid_shard``, ``no_shard``) the shard group alone does not reach the replicas,
+and DCP needs every writer in one plan. So the model's mesh must span the default group.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import torch.distributed as dist
+
+
+def world() -> dist.ProcessGroup:
+    """The group checkpoints run over: the default group (see the module docstring)."""
+    return dist.group.WORLD
+
+
+def first_error(error: str | None, group: dist.ProcessGroup | None) -> str | None:
+    """Every rank's ``error`` -> the first one (prefixed with its rank), the same on all ranks."""
+    if group is None or dist.get_world_size(group) == 1:
+        return error
+    errors: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    for rank, err in enumerate(errors):
+        if err is not None:
+            return f"[rank {dist.get_global_rank(group, rank)}] {err}"
+    return None
+
+
+def from_rank0(value, group: dist.ProcessGroup | None):
+    """Rank 0's ``value`` on every rank of ``group``."""
+    if group is None or dist.get_world_size(group) == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]
+
+
+def raise_if(error: str | None, exc_type: type[Exception] = ValueError) -> None:
+    if error is not None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise exc_type(f"[flatshard rank {rank}] {error}")
+
+
+def dcp_error(err: BaseException, what: str) -> Exception:
+    """A short, actionable exception for DCP's ``CheckpointException`` (a ``BaseException``
+    carrying every failed rank's traceback)."""
+    failures = getattr(err, "failures", None) or {}
+    causes = [exc for exc, _ in failures.values()] or [err]
+    for exc in causes:
+        if isinstance(exc, pickle.UnpicklingError):
+            reason = next((line for line in str(exc).splitlines() if "GLOBAL" in line), "")
+            return ValueError(
+                f"refusing to load {what}: a tensor entry is a pickle of something other than "
+                f"a tensor, which torch.load(weights_only=True) blocked. {reason}".strip()
+            )
+    first = causes[0]
+    message = f"{what} failed on rank(s) {sorted(failures)}: {type(first).__name__}: {first}"
+    return OSError(message) if isinstance(first, OSError) else RuntimeError(message)

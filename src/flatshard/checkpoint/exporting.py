@@ -1,0 +1,180 @@
+"""Full export to one safetensors file, from a live sharded model or from a checkpoint.
+
+Both stream: the header is written first, then parameters in batches. From a model, a batch is
+a unit: every rank gathers it, rank 0 writes its parameters, the unit reshards (peak: one
+gathered unit, as in training). From a checkpoint (one process, no process group), a batch is
+a group of consecutive entries up to ``batch_bytes`` (or one parameter if larger), read through
+DCP from whichever shards hold it. Optimizer state is never read. Tied parameters are written
+under every name (a plain ``load_state_dict`` wants them all), the data read once per name.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..api import get_state
+from ..unit import ParamState
+from . import agree
+from .layout import ModelLayout, dtype_from_name, model_layout
+from .loader import Opened, open_checkpoint, read_tensors, verify_files
+from .planner import Item, Sharded
+from .safetensors_io import StreamingSafetensorsWriter
+
+DEFAULT_BATCH_BYTES = 256 << 20
+EXPORT_METADATA = {"format": "pt", "producer": "flatshard"}
+
+
+def export_safetensors(
+    source: nn.Module | str | os.PathLike, out_path: str | os.PathLike
+) -> Path | None:
+    """Write every parameter and buffer, full shapes, original names, into ``out_path``.
+
+    ``source`` is a sharded model (every rank must call; rank 0 writes and gets the path,
+    other ranks ``None``) or a checkpoint directory (one process, no process group needed).
+    The file loads into the plain, unsharded model with ``load_state_dict``.
+    """
+    if isinstance(source, nn.Module):
+        return _export_model(source, Path(out_path))
+    return export_checkpoint(source, out_path)
+
+
+def _unit_keys(model: nn.Module, layout: ModelLayout) -> dict[int, list[str]]:
+    """Unit index -> its state_dict keys (tied names with their source), in key order."""
+    unit_of: dict[int, int] = {}
+    for unit in get_state(model).units:
+        for group in unit.groups:
+            for spec in group.specs:
+                unit_of[id(spec.fragment)] = unit.index
+    keys: dict[int, list[str]] = {}
+    for key in layout.keys:
+        source = layout.aliases.get(key, key)
+        if source in layout.params:
+            keys.setdefault(unit_of[id(layout.params[source].fragment)], []).append(key)
+    return keys
+
+
+def _export_model(model: nn.Module, out: Path) -> Path | None:
+    state = get_state(model)
+    layout = model_layout(model)
+    unit_keys = _unit_keys(model, layout)
+    order = [k for unit in state.units for k in unit_keys.get(unit.index, [])]
+    order += list(layout.buffers)
+    writer, error = None, None
+    if dist.get_rank() == 0:  # global rank 0 writes, as full_state_dict gathers there
+        try:
+            writer = StreamingSafetensorsWriter(
+                out, [_entry(layout, k) for k in order], EXPORT_METADATA
+            )
+        except (OSError, ValueError) as err:
+            error = f"cannot write {out}: {err}"
+    for unit in state.units:  # every rank gathers, even after a write error on rank 0
+        was_sharded = unit.state is ParamState.SHARDED
+        state.ensure_gathered(unit)
+        if writer is not None and error is None:
+            error = _write_unit(writer, unit, unit_keys.get(unit.index, []), layout)
+        if was_sharded:
+            unit.reshard(state.timeout)
+    if writer is not None:
+        error = error or _finish(writer, layout)
+    if error is not None and writer is not None:
+        writer.abort()
+    agree.raise_if(agree.from_rank0(error, agree.world()), OSError)
+    return out if writer is not None else None
+
+
+def _write_unit(writer, unit, keys: list[str], layout: ModelLayout) -> str | None:
+    views = {}
+    for group in unit.groups:
+        for spec, view in zip(group.specs, group.full_views(), strict=True):
+            views[id(spec.fragment)] = view
+    try:
+        for key in keys:
+            writer.write(key, views[id(layout.params[layout.aliases.get(key, key)].fragment)])
+    except OSError as err:
+        return f"writing {writer.out}: {err}"
+    return None
+
+
+def _finish(writer: StreamingSafetensorsWriter, layout: ModelLayout) -> str | None:
+    """Rank 0: write the buffers and close the file; a failure is returned, not raised (the
+    other ranks wait to hear about it)."""
+    try:
+        for name, buf in layout.buffers.items():
+            writer.write(name, buf)
+        writer.close()
+    except OSError as err:
+        writer.abort()
+        return f"writing {writer.out}: {err}"
+    return None
+
+
+def _entry(layout: ModelLayout, key: str) -> tuple[str, torch.dtype, tuple[int, ...]]:
+    source = layout.aliases.get(key, key)
+    if source in layout.params:
+        p = layout.params[source]
+        return key, p.fragment.dtype, tuple(p.shape)
+    buf = layout.buffers[source]
+    return key, buf.dtype, tuple(buf.shape)
+
+
+def export_checkpoint(
+    ckpt: str | os.PathLike, out_path: str | os.PathLike, *, batch_bytes: int = DEFAULT_BATCH_BYTES
+) -> Path:
+    """Checkpoint directory -> one safetensors file, in this process (no process group)."""
+    opened = open_checkpoint(ckpt)
+    if problem := verify_files(opened, opened.data_files):
+        raise ValueError(problem)
+    model = opened.description["model"]
+    entries = [_saved_entry(opened, model, key) for key in model["keys"]]
+    writer = StreamingSafetensorsWriter(out_path, entries, EXPORT_METADATA)
+    try:
+        for batch in _batches(entries, batch_bytes):
+            loaded = _read(opened, model, {model["aliases"].get(k, k) for k, _, _ in batch})
+            for key, _, shape in batch:
+                writer.write(key, loaded[model["aliases"].get(key, key)].view(shape))
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.close()
+
+
+def _saved_entry(opened: Opened, model: dict, key: str) -> tuple[str, torch.dtype, tuple]:
+    source = model["aliases"].get(key, key)
+    entry = model["params"].get(source) or model["buffers"][source]
+    md = opened.metadata.state_dict_metadata.get(source)
+    dtype = md.properties.dtype if md is not None else dtype_from_name(entry["dtype"])
+    return key, dtype, tuple(entry["shape"])
+
+
+def _batches(entries: list, limit: int) -> list[list]:
+    batches, current, size = [], [], 0
+    for entry in entries:
+        nbytes = entry[1].itemsize * max(1, int(torch.Size(entry[2]).numel()))
+        if current and size + nbytes > limit:
+            batches.append(current)
+            current, size = [], 0
+        current.append(entry)
+        size += nbytes
+    return batches + ([current] if current else [])
+
+
+def _read(opened: Opened, model: dict, names: set[str]) -> dict[str, torch.Tensor]:
+    """Full tensors (flat for parameters) of ``names``, read from every shard that holds them."""
+    targets: dict[str, Item] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name in sorted(names):
+        md = opened.metadata.state_dict_metadata.get(name)
+        if md is None:  # a zero-element parameter has no chunks
+            dtype = dtype_from_name(model["params"][name]["dtype"])
+            out[name] = torch.empty(0, dtype=dtype)
+            continue
+        full = torch.empty(md.size, dtype=md.properties.dtype)
+        targets[name] = Sharded(full, 0, full.numel()) if name in model["params"] else full
+        out[name] = full
+    read_tensors(opened, targets, None)
+    return out

@@ -1,0 +1,164 @@
+"""What a checkpoint holds, by name: the DCP items of this rank and the JSON description.
+
+Keys: a parameter or buffer is stored under its own name (tied parameters once, under the first
+name, the other names recorded as aliases); an optimizer state tensor under
+``optim/<parameter name>/<state key>``. A parameter is a flat 1-D global tensor of its numel
+(see planner.py); a state tensor with the fragment's shape is sharded the same way; any other
+state tensor (AdamW's ``step``) is replicated; non-tensor state values go to the JSON.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..api import get_state
+from . import jsonable
+from .planner import Item, Sharded
+
+OPTIM_PREFIX = "optim/"
+
+
+@dataclass
+class ParamInfo:
+    """One original parameter as this rank holds it."""
+
+    name: str
+    fragment: nn.Parameter
+    start: int  # the fragment is elements [start, start + fragment.numel()) of the flat param
+    numel: int
+    shape: torch.Size
+
+
+@dataclass
+class ModelLayout:
+    params: dict[str, ParamInfo]  # first names of parameters, in state_dict order
+    buffers: dict[str, torch.Tensor]
+    aliases: dict[str, str]  # tied name -> first name
+    keys: list[str]  # every state_dict key, in order
+
+    @property
+    def name_of(self) -> dict[int, str]:
+        return {id(p.fragment): name for name, p in self.params.items()}
+
+
+def model_layout(model: nn.Module) -> ModelLayout:
+    """Parameters, buffers and aliases of a sharded ``model``, keyed like its ``state_dict``."""
+    state = get_state(model)
+    where = {}
+    for unit in state.units:
+        for group in unit.groups:
+            for spec in group.specs:
+                where[id(spec.fragment)] = (group, spec)
+    layout = ModelLayout({}, {}, {}, [])
+    first: dict[int, str] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        layout.keys.append(key)
+        if key.startswith(OPTIM_PREFIX):
+            raise ValueError(f"state_dict key {key!r} collides with the optimizer key prefix")
+        if id(value) in where:
+            if id(value) in first:
+                layout.aliases[key] = first[id(value)]
+                continue
+            first[id(value)] = key
+            group, spec = where[id(value)]
+            start, _ = group.fragment_range(spec)
+            layout.params[key] = ParamInfo(key, spec.fragment, start, spec.numel, spec.shape)
+        elif isinstance(value, torch.Tensor):
+            layout.buffers[key] = value
+        else:
+            raise ValueError(
+                f"state_dict entry {key!r} is a {type(value).__name__} (get_extra_state?); "
+                "flatshard checkpoints store tensors only: pass it through extra= instead"
+            )
+    return layout
+
+
+def describe_model(layout: ModelLayout) -> dict:
+    """The JSON description: full shapes and dtypes, aliases, key order."""
+    return {
+        "params": {
+            n: {"shape": list(p.shape), "dtype": _dtype_name(p.fragment.dtype), "numel": p.numel}
+            for n, p in layout.params.items()
+        },
+        "buffers": {
+            n: {"shape": list(b.shape), "dtype": _dtype_name(b.dtype)}
+            for n, b in layout.buffers.items()
+        },
+        "aliases": layout.aliases,
+        "keys": layout.keys,
+    }
+
+
+def model_items(layout: ModelLayout) -> dict[str, Item]:
+    items: dict[str, Item] = {
+        n: Sharded(p.fragment.detach(), p.start, p.numel) for n, p in layout.params.items()
+    }
+    items.update({n: b.detach() for n, b in layout.buffers.items()})
+    return items
+
+
+def optimizer_params(optimizer: torch.optim.Optimizer, layout: ModelLayout) -> list[list[str]]:
+    """Parameter names of each param group; ``ValueError`` for a tensor that is no fragment."""
+    name_of = layout.name_of
+    groups = []
+    for gi, group in enumerate(optimizer.param_groups):
+        names = []
+        for p in group["params"]:
+            if id(p) not in name_of:
+                raise ValueError(
+                    f"optimizer param group {gi} holds a tensor of shape {tuple(p.shape)} that "
+                    "is not a parameter of this sharded model; build the optimizer from "
+                    "model.parameters() after fs.shard(model)"
+                )
+            names.append(name_of[id(p)])
+        groups.append(names)
+    return groups
+
+
+def optimizer_entries(
+    optimizer: torch.optim.Optimizer, layout: ModelLayout
+) -> tuple[dict[str, Item], dict]:
+    """DCP items and the JSON description of ``optimizer``'s state, keyed by parameter name."""
+    names = optimizer_params(optimizer, layout)
+    items: dict[str, Item] = {}
+    state_desc: dict[str, dict] = {}
+    for group, group_names in zip(optimizer.param_groups, names, strict=True):
+        for p, name in zip(group["params"], group_names, strict=True):
+            info = layout.params[name]
+            entries = {}
+            for key, value in optimizer.state.get(p, {}).items():
+                fqn = f"{OPTIM_PREFIX}{name}/{key}"
+                if isinstance(value, torch.Tensor) and value.shape == p.shape:
+                    items[fqn] = Sharded(value.detach(), info.start, info.numel)
+                    entries[key] = {"kind": "sharded"}
+                elif isinstance(value, torch.Tensor):
+                    items[fqn] = value.detach()
+                    entries[key] = {"kind": "tensor"}
+                else:
+                    entries[key] = {"kind": "value", "value": jsonable.encode(value, fqn)}
+            if entries:
+                state_desc[name] = entries
+    param_groups = [
+        {"params": group_names, "hyper": jsonable.encode(_hyper(group), f"param group {gi}")}
+        for gi, (group, group_names) in enumerate(zip(optimizer.param_groups, names, strict=True))
+    ]
+    desc = {"class": type(optimizer).__name__, "param_groups": param_groups, "state": state_desc}
+    return items, desc
+
+
+def _hyper(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"checkpoint names an unknown dtype {name!r}")
+    return dtype

@@ -1,0 +1,121 @@
+"""Load side of layout.py: check a checkpoint against the model, build the DCP targets, and put
+the loaded optimizer state back by parameter name.
+
+Parameters and buffers are read straight into the fragments and buffers (DCP copies into
+detached views, which share the shard's version counter, so a unit kept gathered sees that its
+shard changed). Optimizer state tensors are read into fresh tensors laid out like the new
+fragments and handed to ``optimizer.load_state_dict``, which applies the optimizer's own
+casting rules.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+
+from . import jsonable
+from .layout import OPTIM_PREFIX, ModelLayout, dtype_from_name, optimizer_params
+from .planner import Item, Sharded
+
+
+def model_problem(desc: dict, layout: ModelLayout, metadata: Metadata, strict: bool) -> str | None:
+    """Why the checkpoint's model part does not fit ``layout`` (``None`` if it does)."""
+    saved = {**desc["params"], **desc["buffers"]}
+    current = {n: list(p.shape) for n, p in layout.params.items()}
+    current.update({n: list(b.shape) for n, b in layout.buffers.items()})
+    missing = [n for n in current if n not in saved]
+    unexpected = [n for n in saved if n not in current]
+    if missing or (strict and unexpected):
+        return (
+            f"checkpoint does not match the model: missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]}; load it into the architecture that saved it (strict=False "
+            "ignores unexpected entries)"
+        )
+    for name, shape in current.items():
+        if saved[name]["shape"] != shape:
+            return f"{name!r} has shape {saved[name]['shape']} in the checkpoint, {shape} here"
+        numel = saved[name].get("numel", 1)
+        if numel and name not in metadata.state_dict_metadata:
+            return f"{name!r} is described but has no data in the DCP metadata"
+    return None
+
+
+def model_targets(layout: ModelLayout) -> dict[str, Item]:
+    targets: dict[str, Item] = {
+        n: Sharded(p.fragment.detach(), p.start, p.numel) for n, p in layout.params.items()
+    }
+    targets.update({n: b.detach() for n, b in layout.buffers.items()})
+    return targets
+
+
+def optimizer_problem(
+    desc: dict | None, optimizer: torch.optim.Optimizer, layout: ModelLayout
+) -> str | None:
+    if desc is None:
+        return "the checkpoint has no optimizer state (saved without optimizer=)"
+    names = optimizer_params(optimizer, layout)
+    saved = [g["params"] for g in desc["param_groups"]]
+    if len(saved) != len(names):
+        return (
+            f"the checkpoint's optimizer has {len(saved)} param groups, this one "
+            f"{len(names)}; build the optimizer with the same groups"
+        )
+    for gi, (want, have) in enumerate(zip(saved, names, strict=True)):
+        if set(want) != set(have):
+            diff = sorted(set(want) ^ set(have))[:5]
+            return f"param group {gi} holds other parameters than when saved (differ: {diff})"
+    return None
+
+
+def optimizer_targets(
+    desc: dict, layout: ModelLayout, metadata: Metadata
+) -> tuple[dict[str, Item], dict[str, dict]]:
+    """DCP targets for the sharded/replicated state tensors, and per parameter the state dict
+    to rebuild (tensor entries filled after the load, values decoded now)."""
+    targets: dict[str, Item] = {}
+    state: dict[str, dict] = {}
+    for name, entries in desc["state"].items():
+        info = layout.params[name]
+        state[name] = {}
+        for key, entry in entries.items():
+            fqn = f"{OPTIM_PREFIX}{name}/{key}"
+            if entry["kind"] == "value":
+                state[name][key] = jsonable.decode(entry["value"])
+                continue
+            md = metadata.state_dict_metadata.get(fqn)
+            if md is None:
+                if entry["kind"] == "sharded" and info.numel == 0:
+                    state[name][key] = torch.empty(0, dtype=info.fragment.dtype)
+                    continue
+                raise ValueError(f"optimizer state {fqn!r} is described but has no data")
+            if entry["kind"] == "sharded":
+                local = torch.empty(info.fragment.numel(), dtype=md.properties.dtype)
+                targets[fqn] = Sharded(local.to(info.fragment.device), info.start, info.numel)
+            else:
+                targets[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
+            state[name][key] = targets[fqn]
+    return targets, state
+
+
+def load_optimizer(
+    optimizer: torch.optim.Optimizer, desc: dict, layout: ModelLayout, state: dict[str, dict]
+) -> None:
+    """Hand the loaded state to ``optimizer.load_state_dict`` in its own (positional) format."""
+    names = optimizer_params(optimizer, layout)
+    by_name = {g_names_i: i for i, g_names_i in enumerate(n for g in names for n in g)}
+    groups = []
+    for group, saved in zip(names, desc["param_groups"], strict=True):
+        hyper = jsonable.decode(saved["hyper"])
+        groups.append({**hyper, "params": [by_name[n] for n in group]})
+    unwrapped = {
+        by_name[name]: {k: (v.local if isinstance(v, Sharded) else v) for k, v in entries.items()}
+        for name, entries in state.items()
+    }
+    optimizer.load_state_dict({"state": unwrapped, "param_groups": groups})
+
+
+def check_dtypes(desc: dict) -> None:
+    """Resolve every dtype name early (a crafted description fails here, clearly)."""
+    for section in ("params", "buffers"):
+        for entry in desc[section].values():
+            dtype_from_name(entry["dtype"])

@@ -1,0 +1,96 @@
+"""A streaming safetensors writer: the header first, then tensors one at a time.
+
+``safetensors.torch.save_file`` needs every tensor in memory at once. The format is simple
+enough to stream: an 8-byte little-endian header length, a JSON header giving each tensor's
+dtype, shape and ``[begin, end)`` byte range in the data section, then the raw little-endian
+bytes. Shapes and dtypes are known before any data is read (from the sharded model or the
+checkpoint's description), so the header is written up front and each tensor's bytes follow in
+header order; peak memory is what the caller holds, not the model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import uuid
+from pathlib import Path
+
+import torch
+
+DTYPE_CODES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+
+
+class StreamingSafetensorsWriter:
+    """Write ``entries`` (name, dtype, shape), in this order, into ``out`` atomically."""
+
+    def __init__(
+        self,
+        out: str | os.PathLike,
+        entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        self.out = Path(out)
+        header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+        self._order: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+        offset = 0
+        for name, dtype, shape in entries:
+            if dtype not in DTYPE_CODES:
+                raise ValueError(f"{name!r} has dtype {dtype}, which safetensors cannot store")
+            if name in header:
+                raise ValueError(f"{name!r} appears twice in the export")
+            nbytes = math.prod(shape) * dtype.itemsize
+            header[name] = {
+                "dtype": DTYPE_CODES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
+            self._order.append((name, dtype, tuple(shape)))
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # align the data section to 8 bytes, as safetensors does
+        self._tmp = self.out.with_name(f"{self.out.name}.tmp-{uuid.uuid4().hex[:12]}")
+        self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed in close()/abort()
+        self._file.write(len(raw).to_bytes(8, "little") + raw)
+        self._next = 0
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Append the next tensor; it must be the one the header lists next."""
+        want_name, dtype, shape = self._order[self._next]
+        if name != want_name or tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise AssertionError(
+                f"export wrote {name} {tensor.dtype} {tuple(tensor.shape)}, header expects "
+                f"{want_name} {dtype} {shape}"
+            )
+        data = tensor.detach().to("cpu").contiguous().reshape(-1)
+        if data.numel():
+            self._file.write(memoryview(data.view(torch.uint8).numpy()))
+        self._next += 1
+
+    def close(self) -> Path:
+        """Check that every tensor was written, flush to disk and move the file into place."""
+        if self._next != len(self._order):
+            self.abort()
+            raise AssertionError(f"export wrote {self._next} of {len(self._order)} tensors")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self._tmp, self.out)
+        return self.out
+
+    def abort(self) -> None:
+        self._file.close()
+        self._tmp.unlink(missing_ok=True)

@@ -1,0 +1,213 @@
+"""``fs.save``: every rank writes its own shards through DCP, rank 0 commits atomically.
+
+[Note: asynchronous saves]
+``async_=True`` snapshots what is saved (fragments, buffers, optimizer state) into CPU copies on
+the calling thread, so training may change the originals at once, then writes and commits from
+a background thread. That thread runs collectives (DCP's planning, the manifest gather, the
+commit broadcast); they go over a Gloo group of their own, created on the first asynchronous
+save of the model (every rank calls ``save``, so every rank creates it, in the same order), so
+they never interleave with the training collectives on the model's group. One save per model
+is in flight: the next ``save`` (or ``load``) waits for the previous one first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ..api import get_state
+from . import agree, commit, jsonable
+from .layout import describe_model, model_items, model_layout, optimizer_entries
+from .planner import FlatSavePlanner, Item, Sharded
+
+SESSION_ATTR = "_flatshard_checkpoint"
+
+
+class SaveHandle:
+    """A checkpoint save in progress (or done). ``wait()`` returns the checkpoint path once it
+    is committed on every rank, or raises the error that stopped it."""
+
+    def __init__(self, path: Path, future: Future) -> None:
+        self.path = path
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> Path:
+        self._future.result(timeout)
+        return self.path
+
+
+class _Session:
+    """Per-model checkpoint state: the save in flight and the background Gloo group."""
+
+    def __init__(self) -> None:
+        self.pending: SaveHandle | None = None
+        self.async_group: dist.ProcessGroup | None = None
+
+    def wait_pending(self) -> None:
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.wait()
+
+
+def session_of(model: nn.Module) -> _Session:
+    session = model.__dict__.get(SESSION_ATTR)
+    if session is None:
+        session = _Session()
+        model.__dict__[SESSION_ATTR] = session  # plain attribute: not a module/parameter
+    return session
+
+
+def save(
+    path: str | os.PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: dict | None = None,
+    async_: bool = False,
+) -> SaveHandle:
+    """Save ``model`` (and ``optimizer``'s state, and ``extra``) to the directory ``path``.
+
+    Every rank must call it. Each rank writes only its own shards; the result loads at any
+    world size and wrap policy (``fs.load``). ``extra``: small user state as JSON values and
+    tensors (step, RNG states, data position); rank 0's copy is saved. ``path`` appears
+    atomically when the save is complete; an existing checkpoint there is replaced. With
+    ``async_=True`` the call returns once a CPU snapshot is taken; ``.wait()`` on the returned
+    handle (or the next save/load) waits for the files.
+    """
+    state = get_state(model)
+    session = session_of(model)
+    session.wait_pending()
+    path = Path(path)
+    try:
+        items, description, error = *_describe(model, optimizer, extra), None
+    except (ValueError, TypeError) as err:
+        items, description, error = {}, {}, err
+    group = agree.world()
+    _check_ranks_agree(items, description, error, group)
+    tmp = _make_tmp_dir(path, group)
+    future: Future = Future()
+    handle = SaveHandle(path, future)
+    if not async_:
+        _run(future, items, description, tmp, path, group)
+        handle.wait()
+        return handle
+    if session.async_group is None:
+        session.async_group = dist.new_group(backend="gloo", timeout=state.timeout)
+    snapshot = {key: _to_cpu_copy(item) for key, item in items.items()}
+    args = (future, snapshot, description, tmp, path, session.async_group)
+    threading.Thread(target=_run, args=args, name="flatshard-save", daemon=False).start()
+    session.pending = handle
+    return handle
+
+
+def _make_tmp_dir(path: Path, group) -> Path:
+    """Rank 0 creates ``<path>.tmp-<id>``; every rank gets its name (or rank 0's error)."""
+    made: tuple[str | None, str | None] = (None, None)
+    if dist.get_rank(group) == 0:
+        try:
+            made = (str(commit.new_tmp_dir(path)), None)
+        except OSError as err:
+            made = (None, f"cannot create a directory next to {path}: {err}")
+    name, error = agree.from_rank0(made, group)
+    agree.raise_if(error)
+    return Path(name)
+
+
+def _to_cpu_copy(item: Item) -> Item:
+    if isinstance(item, Sharded):
+        return Sharded(item.local.to("cpu", copy=True), item.start, item.numel)
+    return item.to("cpu", copy=True)
+
+
+def _describe(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict | None
+) -> tuple[dict[str, Item], dict]:
+    """This rank's DCP items and the JSON description of the checkpoint."""
+    layout = model_layout(model)
+    items = model_items(layout)
+    description = {"format": commit.FORMAT, "version": commit.VERSION}
+    description["model"] = describe_model(layout)
+    description["optimizer"] = None
+    if optimizer is not None:
+        optim_items, description["optimizer"] = optimizer_entries(optimizer, layout)
+        items.update(optim_items)
+    description["world_size"] = dist.get_world_size()
+    description["extra"] = jsonable.encode(extra if extra is not None else {})
+    return items, description
+
+
+def _check_ranks_agree(
+    items: dict[str, Item], description: dict, error: Exception | None, group
+) -> None:
+    """Raise a local error on every rank, and refuse to save when ranks describe different
+    entries (DCP would fail obscurely or mix them). ``extra`` may differ: rank 0's is saved."""
+    kinds = sorted((k, type(v).__name__) for k, v in items.items())
+    shared = {k: v for k, v in description.items() if k != "extra"}
+    text = json.dumps([kinds, shared], sort_keys=True, default=str)
+    mine = (hashlib.sha256(text.encode()).hexdigest(), error and f"{error}", type(error).__name__)
+    gathered = [mine] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    for rank, (_, message, kind) in enumerate(gathered):
+        if message is not None:
+            exc_type = TypeError if kind == "TypeError" else ValueError
+            raise exc_type(f"[flatshard rank {dist.get_rank()}] rank {rank}: {message}")
+    if len({digest for digest, _, _ in gathered}) > 1:
+        raise ValueError(
+            f"[flatshard rank {dist.get_rank()}] ranks disagree on what to save (model, "
+            "optimizer state keys or param groups differ); every rank must save the same "
+            "model and an optimizer built the same way"
+        )
+
+
+def _run(future: Future, items, description, tmp: Path, path: Path, group) -> None:
+    try:
+        _write_and_commit(items, description, tmp, path, group)
+    except BaseException as err:  # reported through the handle, raised by wait()
+        future.set_exception(err)
+    else:
+        future.set_result(path)
+
+
+def _write_and_commit(items, description: dict, tmp: Path, path: Path, group) -> None:
+    rank = dist.get_rank(group)
+    try:
+        with torch.no_grad():
+            dcp.save(
+                items,
+                storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
+                planner=FlatSavePlanner(),
+                process_group=group,
+            )
+    except CheckpointException as err:
+        raise agree.dcp_error(err, f"writing {tmp}") from None
+    try:
+        mine, error = commit.rank_files(tmp, rank), None
+    except OSError as err:
+        mine, error = {}, f"hashing the files written in {tmp}: {err}"
+    gathered = [None] * dist.get_world_size(group)
+    dst = dist.get_global_rank(group, 0)
+    dist.gather_object((mine, error), gathered if rank == 0 else None, dst=dst, group=group)
+    outcome = None
+    if rank == 0:
+        errors = [e for _, e in gathered if e is not None]
+        outcome = errors[0] if errors else None
+        if outcome is None:
+            files = {name: d for files, _ in gathered for name, d in files.items()}
+            try:
+                commit.commit(tmp, path, files, description)
+            except OSError as err:
+                outcome = f"committing {tmp} to {path}: {err}"
+    agree.raise_if(agree.from_rank0(outcome, group), RuntimeError)

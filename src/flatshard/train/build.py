@@ -1,0 +1,117 @@
+"""Building a run from its config: process environment, sharded model, optimizer, LR schedule."""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.optim.lr_scheduler import LambdaLR
+
+import flatshard as fs
+from flatshard.models import GPT, Block
+from flatshard.train.config import OptimConfig, TrainConfig
+from flatshard.train.resolve import gpt_config, mixed_precision
+
+__all__ = [
+    "Env",
+    "build_model",
+    "build_optimizer",
+    "build_scheduler",
+    "init_distributed",
+    "warmup_cosine",
+]
+
+
+@dataclass(frozen=True)
+class Env:
+    """Where this worker runs."""
+
+    rank: int
+    """Global rank."""
+    world: int
+    """Number of workers in the job."""
+    local_world: int
+    """Workers on this machine."""
+    device: torch.device
+    """This worker's compute device (``cuda:LOCAL_RANK`` or ``cpu``)."""
+
+
+def init_distributed(backend: str, timeout_s: float) -> Env:
+    """Join the job's process group from torchrun's environment variables.
+
+    ``backend`` is ``"nccl"`` (one GPU per worker, by ``LOCAL_RANK``) or ``"gloo"`` (CPU).
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise ValueError("parallel.backend='nccl' needs CUDA GPUs; use --parallel.backend gloo")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    world = dist.get_world_size()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return Env(dist.get_rank(), world, local_world, device)
+
+
+def build_model(cfg: TrainConfig, env: Env) -> GPT:
+    """The GPT, initialised identically on every rank from ``cfg.seed``, sharded by Block.
+
+    Built directly on the device: ``fs.shard`` takes a materialised model and keeps 1/world of
+    it per rank, so the full model exists once per rank for a moment (fine for these presets).
+    """
+    torch.manual_seed(cfg.seed)
+    if env.device.type == "cpu":
+        # no ``with device:`` here: that mode sends nn.init through torch._refs, whose first
+        # use imports ~4 s of compiler machinery on this box
+        model = GPT(gpt_config(cfg))
+    else:
+        with env.device:
+            model = GPT(gpt_config(cfg))
+    return fs.shard(
+        model,
+        policy=fs.wrap.by_type(Block),
+        strategy=cfg.parallel.strategy,
+        mixed_precision=mixed_precision(cfg),
+        timeout_s=cfg.parallel.timeout_s,
+    )
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW; norms and biases skip weight decay. After sharding every parameter is a 1-D
+    fragment, so ``p.ndim`` cannot tell a matrix from a norm: decide by the (preserved) name."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if "norm" in name or name.endswith("bias") else decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+
+def warmup_cosine(cfg: OptimConfig) -> Callable[[int], float]:
+    """LR multiplier of step index ``i`` (0-based): linear warm-up to 1 over ``warmup_steps``,
+    then cosine down to ``min_lr_ratio`` at ``decay_steps``, flat after that."""
+    warmup, total, floor = cfg.warmup_steps, cfg.decay_steps, cfg.min_lr_ratio
+
+    def factor(i: int) -> float:
+        if i < warmup:
+            return (i + 1) / warmup
+        progress = min(1.0, (i - warmup) / max(1, total - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> LambdaLR:
+    """The warm-up + cosine schedule; ``cfg.decay_steps`` must be resolved (non-zero)."""
+    assert cfg.decay_steps > 0, "resolve() sets decay_steps before the scheduler is built"
+    return LambdaLR(optimizer, warmup_cosine(cfg))

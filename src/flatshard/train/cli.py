@@ -1,0 +1,172 @@
+"""``flatshard train``: parse the command line, check it, start (or become) the workers.
+
+    flatshard train [--config FILE.toml] [--steps N] [--nproc N] [--out DIR] [--resume]
+                    [--data PATH] [--seed N] [--section.key VALUE ...] [--print-config]
+
+Settings are applied in this order: the defaults, the ``--config`` file, then the command-line
+options from left to right. Config and data mistakes are reported here, before any worker
+starts, as one line naming the setting and the fix (exit status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from flatshard.train.config import SECTIONS, TrainConfig
+from flatshard.train.config_io import apply_overrides, field_docs, load_toml, to_toml
+
+__all__ = ["main", "parse_config"]
+
+_SHORTCUTS = {
+    "steps": "steps",
+    "nproc": "parallel.nproc",
+    "out": "out",
+    "data": "data.path",
+    "seed": "seed",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="flatshard train",
+        description="Train a GPT with flatshard (default: the tiny GPT on the corpus embedded in "
+        "Python, 2 CPU ranks or one rank per GPU).",
+        epilog=_settings_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", metavar="FILE.toml", help="settings file (e.g. OUT/config.toml)")
+    p.add_argument("--steps", metavar="N", help="optimizer steps in total (= --steps N)")
+    p.add_argument("--nproc", metavar="N", help="local workers (= --parallel.nproc N)")
+    p.add_argument("--out", metavar="DIR", help="output directory (= --out DIR)")
+    p.add_argument("--data", metavar="PATH", help=".txt/.jsonl file or directory (= --data.path)")
+    p.add_argument("--seed", metavar="N", help="model init and data order seed")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in OUT/checkpoints (if any)",
+    )
+    p.add_argument(
+        "--print-config", action="store_true", help="print the resulting config as TOML and exit"
+    )
+    return p
+
+
+def _settings_help() -> str:
+    lines = ["settings (--section.key VALUE; the same names in a --config TOML file):"]
+    for name, cls in SECTIONS.items():
+        docs = field_docs(cls)
+        for key, value in vars(cls()).items():
+            first = docs.get(key, "").splitlines()[0] if docs.get(key) else ""
+            lines.append(f"  --{name}.{key} (default {value!r}): {first}")
+    return "\n".join(lines)
+
+
+def _overrides(rest: list[str]) -> list[tuple[str, str]]:
+    """``["--optim.lr", "1e-3", "--log.every=5"]`` -> ``[("optim.lr", "1e-3"), ...]``."""
+    pairs, i = [], 0
+    while i < len(rest):
+        arg = rest[i]
+        if not arg.startswith("--") or "." not in arg.split("=")[0]:
+            raise ValueError(
+                f"unrecognised argument {arg!r}; settings are --section.key VALUE "
+                f"with sections {', '.join(SECTIONS)} (see --help)"
+            )
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+            i += 1
+        elif i + 1 < len(rest):
+            key, value = arg[2:], rest[i + 1]
+            i += 2
+        else:
+            raise ValueError(f"{arg} needs a value, e.g. {arg} VALUE")
+        pairs.append((key, value))
+    return pairs
+
+
+def parse_config(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
+    """The config the command line describes; ``ValueError``/``TypeError`` on mistakes."""
+    args, rest = _parser().parse_known_args(argv)
+    cfg = load_toml(args.config) if args.config else TrainConfig()
+    shortcuts = [
+        (dotted, getattr(args, name))
+        for name, dotted in _SHORTCUTS.items()
+        if getattr(args, name) is not None
+    ]
+    return apply_overrides(cfg, shortcuts + _overrides(rest)), args
+
+
+def _precheck(cfg: TrainConfig) -> None:
+    """Fail before spawning anything: user data that cannot be read, a missing optional
+    package. The workers would find the same, on every rank, after seconds of start-up."""
+    import importlib.util
+
+    from flatshard.train.data import read_documents
+    from flatshard.train.resolve import mixed_precision
+
+    if cfg.data.path:
+        read_documents(cfg.data)
+    if cfg.log.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ImportError(
+            "log.tensorboard=true needs the tensorboard package: "
+            "pip install tensorboard (or --log.tensorboard false)"
+        )
+    if cfg.precision.param_dtype not in ("auto", "fp32"):
+        mixed_precision(cfg)  # raises if this flatshard has no MixedPrecision yet
+
+
+def _launch(cfg: TrainConfig, resume: bool) -> int:
+    """Start the local workers with torch's elastic launcher and wait for them."""
+    import torch
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from flatshard.train.launcher import launch_local
+    from flatshard.train.resolve import default_nproc
+    from flatshard.train.session import worker_main
+
+    nproc = cfg.parallel.nproc or default_nproc()
+    cpu = not torch.cuda.is_available() or cfg.parallel.backend == "gloo"
+    try:
+        launch_local(nproc, worker_main, cfg, resume, cpu=cpu)
+    except ChildFailedError as e:
+        codes = sorted({f.exitcode for f in e.failures.values()})
+        print(
+            f"flatshard train: worker(s) failed (exit status {codes}); see the errors above",
+            file=sys.stderr,
+        )
+        return 2 if codes == [2] else 1
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    """``flatshard train ...``; returns the exit status."""
+    from flatshard.train.launcher import launched_externally, slurm_environment
+
+    try:
+        cfg, args = parse_config(argv)
+        if args.print_config:
+            print(to_toml(cfg), end="")
+            return 0
+        mode = launched_externally(os.environ)
+        if mode is None:
+            _precheck(cfg)
+    except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
+        print(f"flatshard train: error: {e}", file=sys.stderr)
+        return 2
+    if mode is None:
+        return _launch(cfg, args.resume)
+    if mode == "srun":
+        os.environ.update(slurm_environment(os.environ))
+    return _run_here(cfg, args.resume)
+
+
+def _run_here(cfg: TrainConfig, resume: bool) -> int:
+    """Under torchrun/srun this process is one of the workers."""
+    from flatshard.train.session import worker_main
+
+    try:
+        worker_main(cfg, resume)
+    except SystemExit as e:
+        return int(e.code or 0)
+    return 0

@@ -1,0 +1,106 @@
+"""Starting the workers: torch's elastic launcher locally, or nothing under torchrun/srun.
+
+Every worker sees torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) whatever started it:
+
+* **torchrun** (or any launcher that sets ``RANK`` and ``WORLD_SIZE``): this process *is* a worker.
+* **SLURM** ``srun`` (one task per GPU): this process is a worker too; the ``SLURM_*`` variables
+  are mapped to torchrun's names (:func:`slurm_environment`).
+* **Otherwise**: :func:`launch_local` starts ``nproc`` workers on this machine with
+  ``torch.distributed.launcher.api.elastic_launch`` -- the engine inside ``torchrun`` -- using a
+  c10d rendezvous on a free localhost port (torchrun's ``--standalone``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["first_host", "launch_local", "launched_externally", "slurm_environment"]
+
+_DEFAULT_PORT = 29500
+
+
+def launched_externally(env: Mapping[str, str]) -> str | None:
+    """``"torchrun"``, ``"srun"`` or None (nobody started us as a worker: launch locally).
+
+    A SLURM batch script itself also has ``SLURM_PROCID``; only a job *step* started by ``srun``
+    has ``SLURM_STEP_ID``, so a plain ``flatshard train`` inside ``sbatch`` still launches locally.
+    """
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return "torchrun"
+    if "SLURM_PROCID" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env):
+        return "srun"
+    return None
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``"gpu[03-05,9],cpu1"`` -> ``"gpu03"``."""
+    match = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?", nodelist.strip())
+    if not match or not match.group(0):
+        raise ValueError(f"cannot read a host name from SLURM node list {nodelist!r}")
+    prefix, ranges = match.group(1), match.group(2)
+    if ranges is None:
+        return prefix
+    return prefix + re.split(r"[-,]", ranges)[0]
+
+
+def slurm_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """torchrun's variables derived from an ``srun`` task's ``SLURM_*`` variables.
+
+    ``MASTER_ADDR`` is the first node of the step (every task computes the same one);
+    ``MASTER_PORT`` defaults to a port derived from the job id so concurrent jobs on a shared
+    node do not collide. Values the user already exported win.
+    """
+    world = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS", "1")
+    nodes = (
+        env.get("SLURM_STEP_NODELIST")
+        or env.get("SLURM_JOB_NODELIST")
+        or env.get("SLURM_NODELIST", "")
+    )
+    addr = first_host(nodes) if nodes else env.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1")
+    port = _DEFAULT_PORT + int(env.get("SLURM_JOB_ID", "0")) % 20000
+    per_node = re.match(r"\d+", env.get("SLURM_STEP_TASKS_PER_NODE", "") or "")
+    derived = {
+        "RANK": env["SLURM_PROCID"],
+        "WORLD_SIZE": world,
+        "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+        "GROUP_RANK": env.get("SLURM_NODEID", "0"),
+        "MASTER_ADDR": addr,
+        "MASTER_PORT": str(port),
+    }
+    if per_node:
+        derived["LOCAL_WORLD_SIZE"] = per_node.group(0)
+    return {k: env.get(k, v) for k, v in derived.items()}
+
+
+def launch_local(
+    nproc: int, entrypoint: Callable[..., Any], *args: Any, cpu: bool
+) -> dict[int, Any]:
+    """Run ``entrypoint(*args)`` in ``nproc`` fresh worker processes; their return values by rank.
+
+    Raises ``torch.distributed.elastic.multiprocessing.errors.ChildFailedError`` if any worker
+    fails (the others are stopped). On CPU each worker gets ``OMP_NUM_THREADS=1`` unless the user
+    set it: ``nproc`` processes each using every core would oversubscribe the machine.
+    """
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if cpu:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",  # a free port, as torchrun --standalone
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    sys.stdout.flush()
+    return elastic_launch(config, entrypoint)(*args)

@@ -1,0 +1,81 @@
+"""Turning a :class:`TrainConfig` into concrete choices for this machine.
+
+A config may say ``0`` or ``"auto"`` where the right value depends on the hardware or on other
+fields (TOML has no null). :func:`resolve` replaces them, so that the ``config.toml`` written into
+the output directory names what actually ran and reproduces it elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+import flatshard as fs
+from flatshard.models import GPTConfig
+from flatshard.train.config import TrainConfig
+
+__all__ = ["default_nproc", "gpt_config", "mixed_precision", "resolve", "torch_dtype"]
+
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def default_nproc() -> int:
+    """One worker per GPU, or 2 CPU workers (Gloo) when there is no GPU."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def _auto_param_dtype(cuda: bool) -> str:
+    """bf16 where it is faster and supported by the engine, else fp32.
+
+    On CPU bf16 matmuls are faster too, but the engine's mixed precision is not there yet for
+    every path, so CPU stays fp32 for now (and fp32 is what the resume-equality test needs).
+    """
+    if cuda and torch.cuda.is_bf16_supported() and hasattr(fs, "MixedPrecision"):
+        return "bf16"
+    return "fp32"
+
+
+def resolve(cfg: TrainConfig, *, cuda: bool, local_world: int) -> TrainConfig:
+    """``cfg`` with every auto value made concrete for this run."""
+    parallel = dataclasses.replace(
+        cfg.parallel,
+        nproc=cfg.parallel.nproc or local_world,
+        backend=cfg.parallel.backend
+        if cfg.parallel.backend != "auto"
+        else ("nccl" if cuda else "gloo"),
+    )
+    precision = cfg.precision
+    if precision.param_dtype == "auto":
+        precision = dataclasses.replace(precision, param_dtype=_auto_param_dtype(cuda))
+    optim = dataclasses.replace(cfg.optim, decay_steps=cfg.optim.decay_steps or cfg.steps)
+    return dataclasses.replace(cfg, parallel=parallel, precision=precision, optim=optim)
+
+
+def gpt_config(cfg: TrainConfig) -> GPTConfig:
+    """The GPT shape: the preset, fields set to non-zero replaced, RoPE tables = seq_len."""
+    m = cfg.model
+    shape = {k: getattr(m, k) for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff")}
+    overrides = {k: v for k, v in shape.items() if v}
+    return GPTConfig.preset(m.preset, **overrides, dropout=m.dropout, max_seq_len=cfg.data.seq_len)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"bf16"`` -> ``torch.bfloat16`` etc."""
+    return _TORCH_DTYPES[name]
+
+
+def mixed_precision(cfg: TrainConfig) -> object | None:
+    """The ``mixed_precision=`` argument of ``fs.shard`` for ``cfg.precision`` (None = fp32)."""
+    p = cfg.precision
+    if p.param_dtype == "fp32" and p.reduce_dtype == "fp32":
+        return None
+    if not hasattr(fs, "MixedPrecision"):
+        raise ValueError(
+            f"precision.param_dtype={p.param_dtype!r}, reduce_dtype={p.reduce_dtype!r} need "
+            "fs.MixedPrecision, which this flatshard version does not have yet; use "
+            "--precision.param_dtype fp32 --precision.reduce_dtype fp32"
+        )
+    return fs.MixedPrecision(
+        param_dtype=torch_dtype(p.param_dtype), reduce_dtype=torch_dtype(p.reduce_dtype)
+    )

@@ -1,0 +1,278 @@
+"""One worker's whole session: join the job, build the run, resume, train, report, leave.
+
+:func:`worker_main` is the function every worker process runs, however it was started (the
+local elastic launcher, torchrun, srun).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flatshard.train.build import (
+    Env,
+    build_model,
+    build_optimizer,
+    build_scheduler,
+    init_distributed,
+)
+from flatshard.train.checkpointing import CheckpointManager, rng_state, set_rng_state
+from flatshard.train.config import TrainConfig
+from flatshard.train.config_io import to_dict, to_toml
+from flatshard.train.data import endless, load_corpus, make_sampler, validation_steps
+from flatshard.train.metrics import MetricsLog, peak_flops, read_metrics
+from flatshard.train.resolve import resolve
+from flatshard.train.trainer import Run, sample_text, train_loop
+
+__all__ = ["worker_main"]
+
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, ImportError)
+"""Mistakes in the config, the data or the installation: reported as one line, no traceback."""
+
+
+def _on_rank0(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` on rank 0, its result (or exception) broadcast to every rank: decisions that
+    read the file system must be the same everywhere, and an error must stop every rank."""
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = fn(*args)
+        except Exception as e:
+            box[0] = e
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        box[0].reported_by_rank0 = dist.get_rank() != 0  # type: ignore[attr-defined]
+        raise box[0]
+    return box[0]
+
+
+def _start_point(cfg: TrainConfig, ckpt: CheckpointManager | None, resume: bool) -> str | None:
+    """The checkpoint to resume from (rank 0 decides); refuses to mix a new run into old ones."""
+    if ckpt is None:
+        if resume:
+            raise ValueError(
+                "--resume needs checkpoints, but checkpoint.enabled=false; enable them"
+            )
+        return None
+    if not resume:
+        if ckpt.existing():
+            raise ValueError(
+                f"{ckpt.directory} already holds checkpoints (newest {ckpt.existing()[-1].name}); "
+                "pass --resume to continue that run, or choose another --out"
+            )
+        return None
+    latest = ckpt.latest()
+    return str(latest) if latest is not None else None
+
+
+def setup(cfg: TrainConfig, env: Env, resume: bool) -> tuple[Run, str | None]:
+    """Build the run on this worker; returns it and the checkpoint to resume from."""
+    corpus = load_corpus(cfg.data)
+    model = build_model(cfg, env)
+    # identical init everywhere, then a per-rank stream: dropout masks differ between ranks
+    torch.manual_seed(cfg.seed * 1_000_003 + 1 + env.rank)
+    optimizer = build_optimizer(model, cfg.optim)
+    sampler = make_sampler(
+        corpus.train, cfg.data, rank=env.rank, world=env.world, seed=cfg.seed, train=True
+    )
+    ckpt = None
+    if cfg.checkpoint.enabled:
+        ckpt = CheckpointManager(
+            Path(cfg.out) / "checkpoints",
+            every=cfg.checkpoint.every,
+            keep=cfg.checkpoint.keep,
+            async_save=cfg.checkpoint.async_save,
+            rank=env.rank,
+        )
+    start = _on_rank0(_start_point, cfg, ckpt, resume)
+    run = Run(
+        cfg=cfg, env=env, model=model, optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, cfg.optim), corpus=corpus, sampler=sampler,
+        stream=None, val_steps=validation_steps(corpus.val, cfg.data, rank=env.rank,
+                                                world=env.world, count=cfg.log.val_batches),
+        ckpt=ckpt, log=None, flops_per_token=model.flops_per_token(corpus.attention_length),
+        peak_flops=peak_flops(env.device),
+    )  # fmt: skip
+    return run, start
+
+
+def _save(run: Run) -> None:
+    """Checkpoint the run (collective); ``extra`` carries everything but the tensors."""
+    states: list[Any] = [None] * run.env.world
+    dist.all_gather_object(states, rng_state(run.env.device))
+    extra = {
+        "step": run.step,
+        "sampler": run.sampler.state_dict(),
+        "scheduler": run.scheduler.state_dict(),
+        "rng": {"world_size": run.env.world, "states": states},
+        "tokens_seen": run.tokens_seen,
+        "elapsed_s": run.elapsed_s,
+        "config": to_dict(run.cfg),
+    }
+    path = run.ckpt.save(run.step, run.model, run.optimizer, extra)
+    run.say(f"checkpoint: {path}")
+
+
+def _changes(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -> list[str]:
+    """``key: old -> new`` for settings that differ (run length and output excluded)."""
+    skip = {"steps", "out", "log", "checkpoint", "parallel"}
+    out = []
+    for key, value in now.items():
+        if prefix == "" and key in skip:
+            continue
+        old = saved.get(key)
+        if isinstance(value, dict) and isinstance(old, dict):
+            out += _changes(old, value, f"{prefix}{key}.")
+        elif old != value:
+            out.append(f"{prefix}{key}: {old!r} -> {value!r}")
+    return out
+
+
+def restore(run: Run, path: Path) -> None:
+    """Continue from the checkpoint at ``path``: tensors, data position, schedule, RNG, curve."""
+    extra = run.ckpt.load(path, run.model, run.optimizer)
+    run.scheduler.load_state_dict(extra["scheduler"])
+    for group, lr in zip(run.optimizer.param_groups, run.scheduler.get_last_lr(), strict=True):
+        group["lr"] = lr  # whatever the optimizer state held: the schedule is the authority
+    run.sampler.load_state_dict(extra["sampler"])  # ValueError if the data set changed
+    rng = extra["rng"]
+    if rng["world_size"] == run.env.world:
+        set_rng_state(rng["states"][run.env.rank], run.env.device)
+    else:  # a new world size: fresh, still deterministic, per-rank streams
+        torch.manual_seed(run.cfg.seed * 1_000_003 + 1 + run.env.rank + 7919 * extra["step"])
+    run.step, run.tokens_seen = int(extra["step"]), int(extra["tokens_seen"])
+    run.elapsed_s = float(extra["elapsed_s"])
+    run.say(
+        f"resumed from {path} at step {run.step} (epoch {run.sampler.epoch}, "
+        f"{run.sampler.bins_consumed} bins in)"
+    )
+    for change in _changes(extra.get("config", {}), to_dict(run.cfg)):
+        run.say(f"  note: setting changed since the checkpoint: {change}")
+
+
+def _header(run: Run) -> str:
+    cfg, env, corpus = run.cfg, run.env, run.corpus
+    d = cfg.data
+    tokens = env.world * d.micro_batches * d.rows * d.seq_len
+    return "\n".join([
+        f"flatshard train: {env.world} rank(s), {cfg.parallel.backend} on {env.device.type}, "
+        f"{cfg.parallel.strategy}, {cfg.precision.param_dtype}",
+        f"  model: {cfg.model.preset} GPT, {run.model.num_params():,} parameters",
+        f"  data: {corpus.source}: {len(corpus.train):,} training pieces, "
+        f"{len(corpus.val):,} validation; {'packed' if d.packing else 'padded'} rows of "
+        f"{d.seq_len} tokens, {tokens:,} token slots per step",
+        f"  out: {cfg.out}",
+    ])  # fmt: skip
+
+
+def _open_log(run: Run, first_step: int) -> MetricsLog:
+    """Rank 0's metrics sink; a resumed run keeps its curve up to the checkpoint's step."""
+    cfg = run.cfg
+    history = read_metrics(run.out / "metrics.jsonl", upto=first_step) if first_step else []
+    return MetricsLog(
+        run.out,
+        first_step=first_step,
+        total_steps=cfg.steps,
+        log_every=cfg.log.every,
+        progress_bar=cfg.log.progress_bar,
+        tensorboard=cfg.log.tensorboard,
+        history=history,
+    )
+
+
+def _finish(run: Run) -> dict[str, Any] | None:
+    """Sample, report, and rank 0's summary (None on the other ranks)."""
+    text = sample_text(run) if run.cfg.log.sample_tokens else ""
+    if run.ckpt is not None:
+        run.ckpt.wait()
+    if run.log is None:
+        return None
+    rows = run.log.rows
+    first, last = rows[0], rows[-1]
+    run.say(
+        f"done: step {last['step']} in {run.elapsed_s:.0f}s of training; loss "
+        f"{first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f}"
+        + (f"; val_loss {last['val_loss']:.4f}" if last.get("val_loss") is not None else "")
+    )
+    if text:
+        run.say(f"sample: {text!r}")
+    run.say(
+        f"wrote {run.out}/metrics.jsonl, loss.png, memory.png, config.toml"
+        + (", checkpoints/" if run.ckpt is not None else "")
+    )
+    return {
+        "steps": last["step"],
+        "losses": [r["loss"] for r in rows],
+        "val_loss": last.get("val_loss"),
+        "sample": text,
+    }
+
+
+def run_worker(cfg: TrainConfig, env: Env, resume: bool) -> dict[str, Any] | None:
+    """Set up, maybe resume, train to ``cfg.steps``, finish. Returns rank 0's summary."""
+    run, start = setup(cfg, env, resume)
+    if env.rank == 0:
+        run.out.mkdir(parents=True, exist_ok=True)
+        (run.out / "config.toml").write_text(
+            to_toml(
+                cfg,
+                header=(
+                    f"flatshard train config (resolved), {time.strftime('%Y-%m-%d %H:%M')}.\n"
+                    f"Reproduce with: flatshard train --config {run.out / 'config.toml'}"
+                ),
+            )
+        )
+        print(_header(run), flush=True)
+    if start is not None:
+        restore(run, Path(start))  # collective: every rank loads
+    elif resume and env.rank == 0:
+        print("  --resume: no checkpoint yet, starting from step 0", flush=True)
+    if env.rank == 0:
+        run.log = _open_log(run, run.step)
+    run.stream = endless(run.sampler)
+    try:
+        if run.step >= cfg.steps:
+            run.say(f"nothing to do: already at step {run.step} (steps={cfg.steps})")
+            return None
+        train_loop(run, _save)
+        return _finish(run)
+    finally:
+        if run.log is not None:
+            run.log.close()
+
+
+def _local_env_config(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` resolved for this machine, before the process group exists."""
+    import os
+
+    backend = cfg.parallel.backend
+    cuda = torch.cuda.is_available() and backend != "gloo"
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return resolve(cfg, cuda=cuda, local_world=local_world)
+
+
+def worker_main(cfg: TrainConfig, resume: bool) -> dict[str, Any] | None:
+    """Entry point of every worker process. A user error (bad config, data or checkpoint) is
+    one rank-prefixed line and exit status 2; anything else prints its traceback, status 1."""
+    rank = "?"
+    try:
+        cfg = _local_env_config(cfg)
+        env = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s)
+        rank = str(env.rank)
+        try:
+            return run_worker(cfg, env, resume)
+        finally:
+            dist.destroy_process_group()
+    except USER_ERRORS as e:
+        if not getattr(e, "reported_by_rank0", False):  # rank 0's broadcast error: print once
+            print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    except Exception:
+        print(f"[rank {rank}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
