@@ -295,3 +295,45 @@ def case_usage_patterns() -> dict[str, float]:
 def test_accumulation_multi_forward_stale_and_eval(dist_pools, world):
     for errs in dist_pools(world).run(case_usage_patterns):
         assert max(errs.values()) <= 1e-5, errs
+
+
+def case_no_sync(keep: str, strategy: str) -> dict:
+    """Two micro-batches per step, the first under no_sync; parity with the global batch."""
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    model = fs.shard(
+        copy.deepcopy(ref),
+        policy=fs.wrap.by_type(Block),
+        strategy=strategy,
+        mesh=mesh_for(strategy),
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator().manual_seed(0)
+    stats = model._flatshard_state.stats
+    inside = []
+    for _ in range(3):
+        batches = [torch.randint(0, 50, (2 * world, 13), generator=gen) for _ in range(2)]
+        stats.reset()
+        with fs.no_sync(model, keep=keep):
+            (_lm(model, batches[0].chunk(world)[rank]) / 2).backward()
+        inside.append(stats.calls["reduce_scatter"] + stats.calls["all_reduce"])
+        (_lm(model, batches[1].chunk(world)[rank]) / 2).backward()
+        sum(_lm(ref, b) / 2 for b in batches).backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    full = fs.full_state_dict(model)
+    err = max(rel_err(full[k], v) for k, v in ref.state_dict().items()) if full else 0.0
+    return {"err": err, "reductions_inside": max(inside)}
+
+
+@pytest.mark.parametrize("keep", ["unsharded", "sharded"])
+@pytest.mark.parametrize("strategy, world", [("full_shard", 3), ("hybrid_shard", 4)])
+def test_no_sync_accumulation_matches_single_process(dist_pools, keep, strategy, world):
+    results = dist_pools(world).run(case_no_sync, keep, strategy)
+    assert results[0]["err"] <= 1e-5
+    if keep == "unsharded":  # nothing is reduced inside the block
+        assert all(r["reductions_inside"] == 0 for r in results)
+    else:
+        assert all(r["reductions_inside"] > 0 for r in results)

@@ -5,6 +5,7 @@ steps on that slice. See ``fs.shard``.
 """
 
 from . import wrap
+from .accumulate import no_sync
 from .api import ShardingStrategy, shard
 from .grad_norm import clip_grad_norm_
 from .state_dict import full_state_dict, load_full_state_dict, summon_full_params
@@ -14,6 +15,7 @@ __all__ = [
     "clip_grad_norm_",
     "full_state_dict",
     "load_full_state_dict",
+    "no_sync",
     "shard",
     "summon_full_params",
     "wrap",

@@ -128,7 +128,8 @@ def on_unit_grads(state: ShardedState, unit: Unit, grads: tuple) -> None:
         unit.grad.used[gi] |= torch.tensor([g is not None for g in mine])
     unit.grad.pending_nodes = max(0, unit.grad.pending_nodes - 1)
     if unit.grad.pending_nodes == 0:
-        state.launch_reduce(unit)
+        if not state.defer_reduce:
+            state.launch_reduce(unit)
         unit.reshard(state.timeout)
 
 

@@ -83,6 +83,7 @@ class ShardedState:
         self.final_callback_queued = False
         self.hook_handles: list = []  # forward hooks on the unit modules
         self.summoned = False  # inside summon_full_params: hooks stand aside
+        self.defer_reduce = False  # inside no_sync(keep="unsharded"): keep flat gradients
 
     # ---- gathering ---------------------------------------------------------------------------
     def ensure_gathered(self, unit: Unit) -> None:
@@ -123,8 +124,14 @@ class ShardedState:
 
     def finish_backward(self) -> None:
         """End of backward: reduce what never reduced, wait, agree on usage, assign grads."""
+        self.final_callback_queued = False
+        if self.defer_reduce:  # no_sync: flat gradients stay for the next micro-batch
+            for unit in self.units:
+                unit.grad.pending_nodes = 0
+            self.reshard_all()
+            return
         for unit in self.units:
-            if unit.grad.pending_nodes > 0:
+            if unit.grad.pending_nodes > 0 or unit.has_unreduced_grads():
                 unit.grad.pending_nodes = 0
                 self.launch_reduce(unit)
         while self._inflight:
@@ -137,7 +144,6 @@ class ShardedState:
         self.reshard_all()
         self.forward_order.freeze()
         self.backward_order.freeze()
-        self.final_callback_queued = False
 
     def _agree_on_usage(self, masks: list[torch.Tensor]) -> list[torch.Tensor]:
         """A parameter used on any rank gets a gradient on every rank (one small all-reduce)."""

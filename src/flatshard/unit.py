@@ -92,6 +92,10 @@ class Unit:
         self.grad.flat_grads = [None] * len(self.groups)
         self.grad.used = [torch.zeros(len(g.specs), dtype=torch.bool) for g in self.groups]
 
+    def has_unreduced_grads(self) -> bool:
+        """Flat gradients accumulated under ``no_sync`` that still await their reduction."""
+        return any(g is not None for g in self.grad.flat_grads)
+
     # ---- parameter placement -----------------------------------------------------------------
     def install_fragments(self) -> None:
         for slot in self.slots:
