@@ -37,7 +37,7 @@ def case_bad_input_errors() -> dict[str, str]:
         "bad_size": _raises(ValueError, fs.wrap.by_size, 0),
     }
     with torch.device("meta"):
-        meta_model = TinyGPT()
+        meta_model = LoRAModel()
     out["meta"] = _raises(ValueError, fs.shard, meta_model)
     model = fs.shard(TinyGPT(), policy=fs.wrap.by_type(Block))
     out["twice"] = _raises(ValueError, fs.shard, model)
@@ -60,7 +60,7 @@ def test_bad_input_gives_clear_errors(dist_pools):
         assert "ModuleList" in errors["container"]
         assert "'Block'" in errors["bad_policy_class"]
         assert "min_params=0" in errors["bad_size"]
-        assert "meta device" in errors["meta"] and "emb.weight" in errors["meta"]
+        assert "meta device" in errors["meta"] and "lora_a" in errors["meta"]
         assert "already sharded" in errors["twice"] and "already sharded" in errors["inner_twice"]
         assert "2 dimensions" in errors["mesh_2d"]
         assert "DeviceMesh" in errors["bad_mesh"]
@@ -337,3 +337,52 @@ def test_no_sync_accumulation_matches_single_process(dist_pools, keep, strategy,
         assert all(r["reductions_inside"] == 0 for r in results)
     else:
         assert all(r["reductions_inside"] > 0 for r in results)
+
+
+def _per_name_init(names: dict[int, str]):
+    """An init that depends only on each parameter's name: eager and meta runs must agree."""
+
+    def init(module: nn.Module) -> None:
+        prefix = names[id(module)]
+        for name, p in module.named_parameters():
+            if p.device.type == "meta":
+                continue  # another unit's parameter, materialised with that unit
+            full = f"{prefix}.{name}" if prefix else name
+            seed = sum(ord(c) * (i + 1) for i, c in enumerate(full))
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
+
+    return init
+
+
+def case_meta_init() -> dict:
+    policy = fs.wrap.by_type(Block)
+    with torch.device("meta"):
+        meta = TinyGPT()
+    meta_names = {id(m): n for n, m in meta.named_modules()}
+    fs.shard(meta, policy=policy, init_fn=_per_name_init(meta_names))
+    eager = TinyGPT()
+    eager_names = {id(m): n for n, m in eager.named_modules()}
+    _per_name_init(eager_names)(eager)
+    from_meta = fs.full_state_dict(meta)
+    with torch.device("meta"):
+        default = TinyGPT()
+    fs.shard(default, policy=policy)  # reset_parameters() of every leaf
+    _lm(default, torch.randint(0, 50, (2, 13))).backward()
+    out = {"default_finite": float(all(p.isfinite().all() for p in default.parameters()))}
+    with torch.device("meta"):
+        lora = LoRAModel()
+    out["lora_error"] = _raises(ValueError, fs.shard, lora)  # no reset_parameters for lora_a
+    if dist.get_rank() == 0:
+        eager_sd = eager.state_dict()
+        out["err"] = max(rel_err(from_meta[k], v) for k, v in eager_sd.items())
+        out["tied"] = float(from_meta["head.proj.weight"].equal(from_meta["emb.weight"]))
+    return out
+
+
+def test_meta_device_model_is_materialised_unit_by_unit(dist_pools):
+    results = dist_pools(3).run(case_meta_init)
+    assert results[0]["err"] == 0.0 and results[0]["tied"] == 1.0
+    for r in results:
+        assert r["default_finite"] == 1.0
+        assert "lora_a" in r["lora_error"] and "init_fn" in r["lora_error"]

@@ -13,6 +13,7 @@ from . import hooks
 from .collectives import CommStats
 from .fingerprint import check_ranks_agree
 from .mesh import Topology, require_initialized, resolve_topology
+from .meta_init import InitFn, check_nothing_on_meta, has_meta, materialize_unit
 from .state import ShardedState
 from .unit import Unit
 from .wrap import Policy, WrapPlan, build_plan
@@ -41,6 +42,7 @@ def shard(
     offload=None,
     mesh=None,
     timeout_s: float | None = None,
+    init_fn: InitFn | None = None,
 ) -> nn.Module:
     """Shard ``model``'s parameters over ``mesh`` (default: all ranks) and return it.
 
@@ -49,6 +51,10 @@ def shard(
     ``model.named_parameters()`` yields, under the original names, this rank's 1-D fragment of
     every parameter: build the optimizer afterwards. ``timeout_s`` bounds every wait on a
     collective (default: ``$FLATSHARD_TIMEOUT_S`` or 600 s).
+
+    A model built under ``torch.device("meta")`` is materialised unit by unit (peak memory: one
+    unit): ``init_fn(unit_module)`` initialises each unit's parameters (default: the unit
+    module's ``reset_parameters()``, or its children's); see ``flatshard.meta_init``.
     """
     strategy = _check_arguments(model, strategy, mixed_precision, offload)
     require_initialized()
@@ -59,9 +65,9 @@ def shard(
             f"policy={policy!r} matched no module of {type(model).__name__}; check the class "
             "names or sizes it selects (everything would fall into one root unit)"
         )
-    _check_no_meta(model)
     check_ranks_agree(_describe(model, plan, strategy), dist.group.WORLD)
-    state = _build_state(model, plan, strategy, topology, _timeout(timeout_s))
+    state = _build_state(model, plan, strategy, topology, _timeout(timeout_s), init_fn)
+    check_nothing_on_meta(model)
     for buf_module in model.modules():
         for name, buf in buf_module._buffers.items():
             if buf is not None and buf.device != topology.device:
@@ -104,15 +110,6 @@ def _check_arguments(model, strategy, mixed_precision, offload) -> ShardingStrat
     return parsed
 
 
-def _check_no_meta(model: nn.Module) -> None:
-    for name, p in model.named_parameters():
-        if p.device.type == "meta":
-            raise ValueError(
-                f"parameter {name!r} is on the meta device and has no data to shard; "
-                "materialise the model first (model.to_empty(device=...) then initialise it)"
-            )
-
-
 def _timeout(timeout_s: float | None) -> datetime.timedelta:
     seconds = (
         timeout_s
@@ -141,6 +138,7 @@ def _build_state(
     strategy: ShardingStrategy,
     topology: Topology,
     timeout: datetime.timedelta,
+    init_fn: InitFn | None,
 ) -> ShardedState:
     slots: dict[int, list[tuple[nn.Module, str]]] = {}
     owned: list[list[nn.Parameter]] = [[] for _ in plan.unit_modules]
@@ -153,9 +151,14 @@ def _build_state(
             slots.setdefault(id(p), []).append((module, name))
     stats = CommStats()
     units = []
+    built = {id(m) for m, params in zip(plan.unit_modules, owned, strict=True) if params}
+    on_meta = has_meta(model)
     for module, params in zip(plan.unit_modules, owned, strict=True):
         if not params:  # a matched module whose parameters all belong to an ancestor
             continue
+        if on_meta:
+            others = built - {id(module)}
+            params = materialize_unit(module, params, slots, others, topology.device, init_fn)
         # The root's backward comes first, so resharding it after forward would only regather.
         reshard = strategy in RESHARD_AFTER_FORWARD and module is not model
         unit = Unit(
