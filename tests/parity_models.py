@@ -283,7 +283,13 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 NOISE_FLOOR = 1e-5
 
 
-def train_parity(name: str, steps: int = 5, rows_per_rank: int = 2, strategy: str = "full_shard"):
+def train_parity(
+    name: str,
+    steps: int = 5,
+    rows_per_rank: int = 2,
+    strategy: str = "full_shard",
+    recompute: bool = False,
+):
     """On rank 0: dict(sd_err, loss_err, grad_err, none_mismatch, noisy_fraction)."""
     case = CASES[name]
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -292,6 +298,8 @@ def train_parity(name: str, steps: int = 5, rows_per_rank: int = 2, strategy: st
     model = fs.shard(
         copy.deepcopy(ref), policy=case.policy(), strategy=strategy, mesh=mesh_for(strategy)
     )
+    if recompute:  # activation checkpointing of the same modules that became units
+        fs.checkpoint_activations(model, case.policy())
     opt = torch.optim.AdamW(named_param_groups(model), lr=1e-3)
     ref_opt = torch.optim.AdamW(named_param_groups(ref), lr=1e-3)
     loss_err, grad_err, none_mismatch = 0.0, 0.0, []

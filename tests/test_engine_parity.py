@@ -34,3 +34,9 @@ def test_other_strategies_match_single_process(dist_pools, name, strategy, world
 @pytest.mark.parametrize("name", HARD_CASES)
 def test_hybrid_shard_2x2_matches_single_process(dist_pools, name):
     _check(dist_pools(4).run(train_parity, name, 5, 2, "hybrid_shard")[0], name, 4)
+
+
+@pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op"])
+@pytest.mark.parametrize("name", ["gpt_tied", "gpt_nested_units", "reused_unit", "hf_llama"])
+def test_activation_checkpointing_matches_single_process(dist_pools, name, strategy):
+    _check(dist_pools(2).run(train_parity, name, 5, 2, strategy, True)[0], name, 2)

@@ -6,12 +6,14 @@ steps on that slice. See ``fs.shard``.
 
 from . import wrap
 from .accumulate import no_sync
+from .activation_checkpoint import checkpoint_activations
 from .api import ShardingStrategy, shard
 from .grad_norm import clip_grad_norm_
 from .state_dict import full_state_dict, load_full_state_dict, summon_full_params
 
 __all__ = [
     "ShardingStrategy",
+    "checkpoint_activations",
     "clip_grad_norm_",
     "full_state_dict",
     "load_full_state_dict",

@@ -48,6 +48,11 @@ class UnitViews(torch.autograd.Function):
         return None, None, None
 
 
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward pass (a forward now = recomputation)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def make_views(state: ShardedState, unit: Unit) -> list[list[torch.Tensor]]:
     """Full-shape views per group; autograd-connected when a backward may follow."""
     views = [g.full_views() for g in unit.groups]
@@ -80,6 +85,10 @@ def register_hooks(state: ShardedState) -> list[Any]:
 def _pre_forward(state: ShardedState, unit: Unit, module, args, kwargs):
     if state.summoned:  # full parameters are already installed; no collective may run
         return None
+    if state.recompute_in_backward and in_backward():  # activation-checkpoint recomputation
+        state.ensure_gathered(unit)
+        unit.install_views(recompute_views(unit))
+        return None
     state.forward_order.observe(unit)
     state.ensure_gathered(unit)
     state.prefetch(state.forward_order.after(unit))
@@ -88,7 +97,7 @@ def _pre_forward(state: ShardedState, unit: Unit, module, args, kwargs):
 
 
 def _post_forward(state: ShardedState, unit: Unit, module, args, kwargs, output):
-    if state.summoned:
+    if state.summoned or (state.recompute_in_backward and in_backward()):
         return None
     unit.install_fragments()
     if unit.reshard_after_forward:
@@ -110,6 +119,16 @@ def _pre_backward(state: ShardedState, unit: Unit, grad: torch.Tensor) -> None:
     state.backward_order.observe(unit)
     state.ensure_gathered(unit)
     state.prefetch(state.backward_order.after(unit))
+    if state.recompute_in_backward:
+        unit.install_views(recompute_views(unit))
+
+
+def recompute_views(unit: Unit) -> list[list[torch.Tensor]]:
+    """Full views for a forward recomputed in backward: leaves that require grad exactly where
+    the parameters do, so recomputation saves the same tensors as the first forward did."""
+    return [
+        [v.detach().requires_grad_(g.requires_grad) for v in g.full_views()] for g in unit.groups
+    ]
 
 
 def on_unit_grads(state: ShardedState, unit: Unit, grads: tuple) -> None:
@@ -130,6 +149,8 @@ def on_unit_grads(state: ShardedState, unit: Unit, grads: tuple) -> None:
     if unit.grad.pending_nodes == 0:
         if not state.defer_reduce:
             state.launch_reduce(unit)
+        if state.recompute_in_backward:
+            unit.install_fragments()
         unit.reshard(state.timeout)
 
 
