@@ -236,7 +236,7 @@ CASES: dict[str, Case] = {
     ),
     "gpt_nested_units": Case(TinyGPT, lambda: fs.wrap.by_type(Block, MLP), _tokens, _lm_loss),
     "gpt_by_size": Case(TinyGPT, lambda: fs.wrap.by_size(1500), _tokens, _lm_loss),
-    "gpt_root_only": Case(TinyGPT, lambda: None, _tokens, _lm_loss),
+    "gpt_root_only": Case(TinyGPT, fs.wrap.root_only, _tokens, _lm_loss),
     "lora": Case(LoRAModel, lambda: fs.wrap.by_type(LoRALinear), _regression(19), _mse_loss),
     "unused": Case(
         Branchy, lambda: fs.wrap.by_type(nn.Sequential, Side, TwoLayers), _regression(13), _mse_loss

@@ -414,3 +414,54 @@ def test_checkpointed_blocks_recompute_in_backward(dist_pools):
     for r in dist_pools(2).run(case_recompute_runs):
         assert r["calls"] == 2 * 2  # two blocks, forward + recomputation
         assert r["saved"] < len(saved_plain) / 2
+
+
+def test_auto_wrap_picks_the_repeated_block_class():
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from flatshard.wrap import build_plan
+    from parity_models import _hf_gpt2, _hf_llama
+
+    for model, block in (
+        (TinyGPT(), Block),
+        (_hf_gpt2(), GPT2Block),
+        (_hf_llama(), LlamaDecoderLayer),
+    ):
+        policy = fs.wrap.auto()
+        plan = build_plan(model, policy)
+        assert policy.chosen is block, (type(model).__name__, policy.chosen)
+        assert sum(isinstance(m, block) for m in plan.unit_modules) == len(
+            [m for m in model.modules() if isinstance(m, block)]
+        )
+    lone = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 1))
+    policy = fs.wrap.auto()
+    assert build_plan(lone, policy).unit_modules == [lone] and policy.chosen is None
+
+
+class WithMethods(TinyGPT):
+    def embed_only(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.emb.weight[idx] * 2  # reads a root parameter outside forward
+
+    def logits_plus_norm(self, idx: torch.Tensor) -> torch.Tensor:
+        return self(idx).mean() + self.emb.weight.pow(2).sum()  # forward nested inside
+
+
+def case_register_method() -> float:
+    torch.manual_seed(0)
+    ref = WithMethods()
+    model = fs.shard(copy.deepcopy(ref), policy=fs.wrap.by_type(Block))
+    fs.register_method(model, "embed_only")
+    fs.register_method(model, "logits_plus_norm")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    x = torch.randint(0, 50, (2 * world, 12))
+    for net, idx in ((model, x.chunk(world)[rank]), (ref, x)):
+        (net.embed_only(idx).pow(2).mean() + net.logits_plus_norm(idx)).backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    full = fs.full_state_dict(model)
+    return max(rel_err(full[k], v) for k, v in ref.state_dict().items()) if full else 0.0
+
+
+def test_registered_methods_run_with_gathered_parameters(dist_pools):
+    assert dist_pools(2).run(case_register_method)[0] <= 1e-5

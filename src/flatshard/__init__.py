@@ -9,6 +9,7 @@ from .accumulate import no_sync
 from .activation_checkpoint import checkpoint_activations
 from .api import ShardingStrategy, shard
 from .grad_norm import clip_grad_norm_
+from .methods import register_method
 from .state_dict import full_state_dict, load_full_state_dict, summon_full_params
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "full_state_dict",
     "load_full_state_dict",
     "no_sync",
+    "register_method",
     "shard",
     "summon_full_params",
     "wrap",

@@ -16,7 +16,7 @@ from .mesh import Topology, require_initialized, resolve_topology
 from .meta_init import InitFn, check_nothing_on_meta, has_meta, materialize_unit
 from .state import ShardedState
 from .unit import Unit
-from .wrap import Policy, WrapPlan, build_plan
+from .wrap import Policy, WrapPlan, auto, build_plan, root_only
 
 STATE_ATTR = "_flatshard_state"
 DEFAULT_TIMEOUT_S = 600.0
@@ -47,7 +47,8 @@ def shard(
     """Shard ``model``'s parameters over ``mesh`` (default: all ranks) and return it.
 
     ``policy`` picks the modules that become units (``fs.wrap.by_type``, ``fs.wrap.by_size`` or
-    any ``callable(module) -> bool``); the rest belongs to the root unit. After this call
+    any ``callable(module) -> bool``; default ``fs.wrap.auto()``: the repeated block class;
+    ``fs.wrap.root_only()`` for one unit); the rest belongs to the root unit. After this call
     ``model.named_parameters()`` yields, under the original names, this rank's 1-D fragment of
     every parameter: build the optimizer afterwards. ``timeout_s`` bounds every wait on a
     collective (default: ``$FLATSHARD_TIMEOUT_S`` or 600 s).
@@ -59,8 +60,9 @@ def shard(
     strategy = _check_arguments(model, strategy, mixed_precision, offload)
     require_initialized()
     topology = resolve_topology(strategy.value, mesh)
+    policy = auto() if policy is None else policy
     plan = build_plan(model, policy)
-    if policy is not None and not plan.matched_any:
+    if not plan.matched_any and not isinstance(policy, auto | root_only):
         raise ValueError(
             f"policy={policy!r} matched no module of {type(model).__name__}; check the class "
             "names or sizes it selects (everything would fall into one root unit)"

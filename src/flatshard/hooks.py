@@ -93,15 +93,18 @@ def _pre_forward(state: ShardedState, unit: Unit, module, args, kwargs):
     state.ensure_gathered(unit)
     state.prefetch(state.forward_order.after(unit))
     unit.install_views(make_views(state, unit))
+    unit.forward_depth += 1
     return None
 
 
 def _post_forward(state: ShardedState, unit: Unit, module, args, kwargs, output):
     if state.summoned or (state.recompute_in_backward and in_backward()):
         return None
-    unit.install_fragments()
-    if unit.reshard_after_forward:
-        unit.reshard(state.timeout)
+    unit.forward_depth = max(0, unit.forward_depth - 1)
+    if unit.forward_depth == 0:  # not inside an outer call of the same unit (register_method)
+        unit.install_fragments()
+        if unit.reshard_after_forward:
+            unit.reshard(state.timeout)
     if torch.is_grad_enabled() and unit.grad.pending_nodes > 0:
         _hook_output_grads(state, unit, output)
     return None

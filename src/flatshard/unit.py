@@ -81,6 +81,7 @@ class Unit:
         # A zero-size leaf that makes autograd call ``UnitViews.backward`` (see hooks.py).
         self.anchor = torch.empty(0, device=device, requires_grad=True)
         self.state = ParamState.SHARDED
+        self.forward_depth = 0  # nested calls in progress (a registered method calling forward)
         self._gather_work: list[PendingWork] = []
         self._gathered_versions: list[int] = []
         self.grad = GradState()

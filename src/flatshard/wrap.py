@@ -13,10 +13,14 @@ at run time and their gradient contributions meet in one flat buffer before the 
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
+
+log = logging.getLogger("flatshard")
 
 Policy = Callable[[nn.Module], bool]
 
@@ -68,6 +72,66 @@ class by_size:
         return f"by_size({self.min_params})"
 
 
+class root_only:
+    """No units besides the root: the whole model is gathered at once (small models)."""
+
+    def __call__(self, module: nn.Module) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return "root_only()"
+
+
+class auto:
+    """Wrap the repeated block class (e.g. the transformer layer), found from the model.
+
+    Candidates are module classes with at least two instances that have children of their own
+    (so not Linear/LayerNorm) and are not containers; the outermost ones (not nested inside
+    another candidate's instances) win, and among those the one holding the most parameters.
+    ``fs.shard`` uses this when no policy is given; the choice is logged (``flatshard`` logger)
+    and readable afterwards as ``policy.chosen``.
+    """
+
+    def __init__(self) -> None:
+        self.chosen: type[nn.Module] | None = None
+
+    def bind(self, root: nn.Module) -> None:
+        self.chosen = _repeated_block_class(root)
+        if self.chosen is None:
+            log.info(
+                "wrap.auto(): no repeated block class in %s; one root unit", type(root).__name__
+            )
+        else:
+            log.info("wrap.auto(): wrapping every %s", self.chosen.__name__)
+
+    def __call__(self, module: nn.Module) -> bool:
+        return self.chosen is not None and type(module) is self.chosen
+
+    def __repr__(self) -> str:
+        return f"auto(chosen={self.chosen.__name__ if self.chosen else None})"
+
+
+def _repeated_block_class(root: nn.Module) -> type[nn.Module] | None:
+    counts = Counter(
+        type(m)
+        for m in root.modules()
+        if m is not root and not isinstance(m, CONTAINERS) and any(True for _ in m.children())
+    )
+    candidates = {cls for cls, n in counts.items() if n >= 2}
+    nested = set()
+    for m in root.modules():
+        if type(m) in candidates:
+            nested |= {type(d) for d in m.modules() if d is not m and type(d) in candidates}
+    outermost = candidates - nested
+    if not outermost:
+        return None
+    size = Counter()
+    for m in root.modules():
+        if type(m) in outermost:
+            size[type(m)] += sum(p.numel() for p in m.parameters())
+    return max(outermost, key=lambda cls: (size[cls], cls.__name__))
+
+
 @dataclass
 class WrapPlan:
     """The result of applying a policy: units (root last) and each parameter's owning unit."""
@@ -79,6 +143,8 @@ class WrapPlan:
 
 def build_plan(root: nn.Module, policy: Policy | None) -> WrapPlan:
     """Apply ``policy`` bottom-up and assign every parameter to its owning unit."""
+    if hasattr(policy, "bind"):
+        policy.bind(root)
     unit_modules: list[nn.Module] = []
     matched = _collect_units(root, policy, unit_modules, is_root=True)[1]
     unit_of_module = _innermost_unit_of_each_module(root, unit_modules)

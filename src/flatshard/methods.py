@@ -1,0 +1,55 @@
+"""``fs.register_method``: run a method other than ``forward`` with gathered parameters.
+
+Forward hooks only fire around ``module(...)``. A method such as ``encode`` or ``generate`` that
+reads the module's parameters directly (``self.embed.weight``) would see 1-D fragments. Once
+registered, calling it gathers the unit that owns the module's parameters exactly as a forward
+would (including the autograd node, so gradients reach the shards); calls to forward made from
+inside it nest without releasing the parameters early.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+
+from . import hooks
+from .api import get_state
+from .unit import Unit
+
+
+def register_method(model: nn.Module, name: str, *, submodule: nn.Module | None = None) -> None:
+    """Make ``(submodule or model).<name>(...)`` run with its unit's parameters gathered."""
+    state = get_state(model)
+    target = model if submodule is None else submodule
+    method = getattr(target, name, None)
+    if not callable(method):
+        raise ValueError(
+            f"{type(target).__name__} has no method {name!r}; pass the name of a method "
+            "defined on that module (e.g. 'generate')"
+        )
+    unit = _owning_unit(model, target, state.units)
+
+    @functools.wraps(method)
+    def gathered(*args, **kwargs):
+        hooks._pre_forward(state, unit, unit.module, args, kwargs)
+        try:
+            return method(*args, **kwargs)
+        finally:
+            hooks._post_forward(state, unit, unit.module, args, kwargs, None)
+
+    setattr(target, name, gathered)
+
+
+def _owning_unit(model: nn.Module, target: nn.Module, units: list[Unit]) -> Unit:
+    """The innermost unit whose module contains ``target``."""
+    by_module = {id(u.module): u for u in units}
+    best = by_module.get(id(model))
+    for module in model.modules():
+        if id(module) in by_module and any(m is target for m in module.modules()):
+            candidate = by_module[id(module)]
+            if best is None or any(m is module for m in best.module.modules()):
+                best = candidate
+    if best is None:
+        raise ValueError(f"{type(target).__name__} is not inside the sharded model")
+    return best
