@@ -465,3 +465,45 @@ def case_register_method() -> float:
 
 def test_registered_methods_run_with_gathered_parameters(dist_pools):
     assert dist_pools(2).run(case_register_method)[0] <= 1e-5
+
+
+def case_prefetch(forward: int, backward: str) -> dict:
+    torch.manual_seed(0)
+    ref = TinyGPT(layers=3)
+    model = fs.shard(
+        copy.deepcopy(ref),
+        policy=fs.wrap.by_type(Block),
+        prefetch=fs.Prefetch(forward=forward, backward=backward),
+    )
+    state = model._flatshard_state
+    gathered: list[int] = []  # units not sharded when block 0 starts (second step on)
+    model.blocks[0].register_forward_pre_hook(
+        lambda *_: gathered.append(sum(u.state.value != "sharded" for u in state.units))
+    )
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for step in range(3):
+        batch = torch.randint(0, 50, (2 * world, 13), generator=torch.Generator().manual_seed(step))
+        _lm(model, batch.chunk(world)[rank]).backward()
+        _lm(ref, batch).backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    full = fs.full_state_dict(model)
+    err = max(rel_err(full[k], v) for k, v in ref.state_dict().items()) if full else 0.0
+    return {"err": err, "gathered_at_block0": gathered[-1]}
+
+
+@pytest.mark.parametrize(
+    "forward, backward, expected",
+    [(0, "none", 2), (1, "pre", 3), (2, "post", 4)],  # root + block 0 + `forward` blocks ahead
+)
+def test_prefetch_depth_and_modes(dist_pools, forward, backward, expected):
+    for r in dist_pools(2).run(case_prefetch, forward, backward):
+        assert r["err"] <= 1e-5 and r["gathered_at_block0"] == expected
+
+
+def test_prefetch_config_is_validated():
+    with pytest.raises(ValueError, match="forward=-1"):
+        fs.Prefetch(forward=-1)
+    with pytest.raises(ValueError, match="'sideways'"):
+        fs.Prefetch(backward="sideways")

@@ -14,6 +14,7 @@ from .collectives import CommStats
 from .fingerprint import check_ranks_agree
 from .mesh import Topology, require_initialized, resolve_topology
 from .meta_init import InitFn, check_nothing_on_meta, has_meta, materialize_unit
+from .prefetch import Prefetch
 from .state import ShardedState
 from .unit import Unit
 from .wrap import Policy, WrapPlan, auto, build_plan, root_only
@@ -43,6 +44,7 @@ def shard(
     mesh=None,
     timeout_s: float | None = None,
     init_fn: InitFn | None = None,
+    prefetch: Prefetch | None = None,
 ) -> nn.Module:
     """Shard ``model``'s parameters over ``mesh`` (default: all ranks) and return it.
 
@@ -58,6 +60,8 @@ def shard(
     module's ``reset_parameters()``, or its children's); see ``flatshard.meta_init``.
     """
     strategy = _check_arguments(model, strategy, mixed_precision, offload)
+    if prefetch is not None and not isinstance(prefetch, Prefetch):
+        raise TypeError(f"prefetch={prefetch!r}: pass fs.Prefetch(forward=..., backward=...)")
     require_initialized()
     topology = resolve_topology(strategy.value, mesh)
     policy = auto() if policy is None else policy
@@ -69,6 +73,7 @@ def shard(
         )
     check_ranks_agree(_describe(model, plan, strategy), dist.group.WORLD)
     state = _build_state(model, plan, strategy, topology, _timeout(timeout_s), init_fn)
+    state.prefetch_policy = prefetch if prefetch is not None else Prefetch()
     check_nothing_on_meta(model)
     for buf_module in model.modules():
         for name, buf in buf_module._buffers.items():
@@ -174,5 +179,10 @@ def _build_state(
         )
         units.append(unit)
     return ShardedState(
-        units, topology=topology, stats=stats, timeout=timeout, strategy=strategy.value
+        units,
+        topology=topology,
+        stats=stats,
+        timeout=timeout,
+        strategy=strategy.value,
+        prefetch=Prefetch(),
     )

@@ -91,7 +91,7 @@ def _pre_forward(state: ShardedState, unit: Unit, module, args, kwargs):
         return None
     state.forward_order.observe(unit)
     state.ensure_gathered(unit)
-    state.prefetch(state.forward_order.after(unit))
+    state.prefetch(state.forward_order.after(unit, state.prefetch_policy.forward))
     unit.install_views(make_views(state, unit))
     unit.forward_depth += 1
     return None
@@ -121,7 +121,8 @@ def _pre_backward(state: ShardedState, unit: Unit, grad: torch.Tensor) -> None:
     _queue_final_callback(state)
     state.backward_order.observe(unit)
     state.ensure_gathered(unit)
-    state.prefetch(state.backward_order.after(unit))
+    if state.prefetch_policy.backward == "pre":
+        state.prefetch(state.backward_order.after(unit))
     if state.recompute_in_backward:
         unit.install_views(recompute_views(unit))
 
@@ -155,6 +156,8 @@ def on_unit_grads(state: ShardedState, unit: Unit, grads: tuple) -> None:
         if state.recompute_in_backward:
             unit.install_fragments()
         unit.reshard(state.timeout)
+        if state.prefetch_policy.backward == "post":
+            state.prefetch(state.backward_order.after(unit))
 
 
 def _queue_final_callback(state: ShardedState) -> None:

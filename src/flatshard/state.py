@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from .collectives import CommStats, PendingWork, all_reduce
 from .mesh import Topology
+from .prefetch import Prefetch
 from .unit import ParamState, Unit
 
 
@@ -51,8 +52,12 @@ class StepOrder:
             self.frozen = self.recording
             self.next_of = {id(a): b for a, b in zip(self.frozen, self.frozen[1:], strict=False)}
 
-    def after(self, unit: Unit) -> Unit | None:
-        return self.next_of.get(id(unit))
+    def after(self, unit: Unit, count: int = 1) -> list[Unit]:
+        """The ``count`` units that follow ``unit`` in the recorded order."""
+        ahead: list[Unit] = []
+        while len(ahead) < count and (unit := self.next_of.get(id(unit))) is not None:
+            ahead.append(unit)
+        return ahead
 
 
 class ShardedState:
@@ -66,6 +71,7 @@ class ShardedState:
         stats: CommStats,
         timeout: datetime.timedelta,
         strategy: str,
+        prefetch: Prefetch,
         max_inflight_reduces: int = 2,
     ) -> None:
         self.units = units
@@ -75,6 +81,7 @@ class ShardedState:
         self.stats = stats
         self.timeout = timeout
         self.strategy = strategy
+        self.prefetch_policy = prefetch
         self.forward_order = StepOrder()
         self.backward_order = StepOrder()
         self.max_inflight_reduces = max_inflight_reduces
@@ -93,9 +100,10 @@ class ShardedState:
             unit.reshard(self.timeout)
         unit.wait_gather(self.timeout)
 
-    def prefetch(self, unit: Unit | None) -> None:
-        if unit is not None and unit.state is ParamState.SHARDED:
-            unit.start_gather()
+    def prefetch(self, units: list[Unit]) -> None:
+        for unit in units:
+            if unit.state is ParamState.SHARDED:
+                unit.start_gather()
 
     def reshard_all(self) -> None:
         for unit in self.units:
