@@ -156,6 +156,27 @@ def case_summon() -> dict[str, float]:
     }
 
 
+def case_summon_rank0_only() -> dict:
+    torch.manual_seed(0)
+    model = fs.shard(TinyGPT(), policy=fs.wrap.by_type(Block))
+    with fs.summon_full_params(model, rank0_only=True):
+        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        if dist.get_rank() == 0:
+            with torch.no_grad():
+                model.blocks[1].qkv.weight.fill_(0.25)
+    full = fs.full_state_dict(model)
+    out = {"full_shape": float(shapes["blocks.1.qkv.weight"] == (72, 24))}
+    if dist.get_rank() == 0:
+        out["written"] = float((full["blocks.1.qkv.weight"] == 0.25).all())
+    return out
+
+
+def test_summon_rank0_only_holds_full_params_on_rank0_and_writes_back(dist_pools):
+    results = dist_pools(3).run(case_summon_rank0_only)
+    assert results[0]["full_shape"] == 1.0 and results[0]["written"] == 1.0
+    assert all(r["full_shape"] == 0.0 for r in results[1:])  # the others keep fragments
+
+
 def test_summon_full_params_writes_back_only_when_asked(dist_pools):
     results = dist_pools(3).run(case_summon)
     assert all(r["shape_ok"] == 1.0 and r["frag_ok"] == 1.0 for r in results)

@@ -123,18 +123,28 @@ def _agree_or_raise(error: str | None, state: ShardedState) -> None:
 
 
 @contextmanager
-def summon_full_params(model: nn.Module, writeback: bool = True) -> Iterator[nn.Module]:
+def summon_full_params(
+    model: nn.Module, writeback: bool = True, rank0_only: bool = False
+) -> Iterator[nn.Module]:
     """Inside the block every parameter of ``model`` is its full tensor; with ``writeback``
     the edits made to them are written back to the shards on exit. Every rank must enter;
     inside, forward runs on the full parameters without any collective (so one rank alone may
-    run it, e.g. to generate), and no gradient reaches the shards."""
+    run it, e.g. to generate), and no gradient reaches the shards.
+
+    ``rank0_only``: only global rank 0 holds the full parameters (the others gather unit by
+    unit and let go, keeping their fragments); on exit rank 0's edits are broadcast back.
+    """
     state = get_state(model)
     if state.summoned:
         raise ValueError("summon_full_params is already active for this model; do not nest it")
+    holds_full = not rank0_only or dist.get_rank() == 0
     with torch.no_grad():
         for unit in state.units:
             state.ensure_gathered(unit)
-            unit.install_views([g.full_views() for g in unit.groups])
+            if holds_full:
+                unit.install_views([g.full_views() for g in unit.groups])
+            else:
+                unit.reshard(state.timeout)
     state.summoned = True
     try:
         yield model
@@ -144,7 +154,17 @@ def summon_full_params(model: nn.Module, writeback: bool = True) -> Iterator[nn.
             for unit in state.units:
                 unit.install_fragments()
                 if writeback:
-                    for g in unit.groups:
-                        lo = g.rank * g.shard_numel
-                        g.shard.copy_(g.full.data[lo : lo + g.shard_numel])
+                    _write_back(unit, state, from_rank0=rank0_only)
             state.reshard_all()
+
+
+def _write_back(unit: Unit, state: ShardedState, *, from_rank0: bool) -> None:
+    """Copy this rank's slice of the (edited) full buffers into its shards."""
+    for g in unit.groups:
+        full = g.full.data
+        if from_rank0:
+            if dist.get_rank() != 0:
+                full = torch.empty(g.padded_numel, dtype=g.dtype, device=g.device)
+            broadcast(full, 0, dist.group.WORLD, state.stats)
+        lo = g.rank * g.shard_numel
+        g.shard.copy_(full[lo : lo + g.shard_numel])
