@@ -47,6 +47,8 @@ def case_bad_input_errors() -> dict[str, str]:
     mesh_2d = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("r", "s"))
     out["mesh_2d"] = _raises(ValueError, fs.shard, TinyGPT(), mesh=mesh_2d)
     out["bad_mesh"] = _raises(TypeError, fs.shard, TinyGPT(), mesh="world")
+    out["hybrid_1d"] = _raises(ValueError, fs.shard, TinyGPT(), strategy="hybrid_shard")
+    out["bad_prefetch"] = _raises(TypeError, fs.shard, TinyGPT(), prefetch=2)
     bad_sd = {"emb.weight": torch.zeros(3)} if dist.get_rank() == 0 else {}
     out["bad_state_dict"] = _raises(ValueError, fs.load_full_state_dict, model, bad_sd)
     return out
@@ -64,6 +66,8 @@ def test_bad_input_gives_clear_errors(dist_pools):
         assert "already sharded" in errors["twice"] and "already sharded" in errors["inner_twice"]
         assert "2 dimensions" in errors["mesh_2d"]
         assert "DeviceMesh" in errors["bad_mesh"]
+        assert "2-D DeviceMesh" in errors["hybrid_1d"] and "replicate" in errors["hybrid_1d"]
+        assert "fs.Prefetch" in errors["bad_prefetch"]
         assert "missing" in errors["bad_state_dict"]  # raised on every rank, nothing hangs
 
 
