@@ -10,10 +10,12 @@ from .activation_checkpoint import checkpoint_activations
 from .api import ShardingStrategy, shard
 from .grad_norm import clip_grad_norm_
 from .methods import register_method
+from .precision import MixedPrecision
 from .prefetch import Prefetch
 from .state_dict import full_state_dict, load_full_state_dict, summon_full_params
 
 __all__ = [
+    "MixedPrecision",
     "Prefetch",
     "ShardingStrategy",
     "checkpoint_activations",

@@ -14,6 +14,7 @@ from .collectives import CommStats
 from .fingerprint import check_ranks_agree
 from .mesh import Topology, require_initialized, resolve_topology
 from .meta_init import InitFn, check_nothing_on_meta, has_meta, materialize_unit
+from .precision import MixedPrecision
 from .prefetch import Prefetch
 from .state import ShardedState
 from .unit import Unit
@@ -71,15 +72,23 @@ def shard(
             f"policy={policy!r} matched no module of {type(model).__name__}; check the class "
             "names or sizes it selects (everything would fall into one root unit)"
         )
-    check_ranks_agree(_describe(model, plan, strategy), dist.group.WORLD)
-    state = _build_state(model, plan, strategy, topology, _timeout(timeout_s), init_fn)
+    check_ranks_agree(_describe(model, plan, strategy, mixed_precision), dist.group.WORLD)
+    state = _build_state(
+        model, plan, strategy, topology, _timeout(timeout_s), init_fn, mixed_precision
+    )
     state.prefetch_policy = prefetch if prefetch is not None else Prefetch()
+    state.mixed_precision = mixed_precision
     check_nothing_on_meta(model)
+    buffer_dtype = mixed_precision.buffer_dtype if mixed_precision is not None else None
     for buf_module in model.modules():
         for name, buf in buf_module._buffers.items():
-            if buf is not None and buf.device != topology.device:
-                buf_module._buffers[name] = buf.to(topology.device)
+            if buf is None:
+                continue
+            dtype = buffer_dtype if buffer_dtype and buf.is_floating_point() else buf.dtype
+            buf_module._buffers[name] = buf.to(topology.device, dtype)
     state.hook_handles = hooks.register_hooks(state)
+    if mixed_precision is not None:
+        state.hook_handles += hooks.register_precision_casts(model, mixed_precision)
     setattr(model, STATE_ATTR, state)
     return model
 
@@ -110,10 +119,12 @@ def _check_arguments(model, strategy, mixed_precision, offload) -> ShardingStrat
     except ValueError:
         choices = ", ".join(repr(s.value) for s in ShardingStrategy)
         raise ValueError(f"strategy={strategy!r} is unknown; choose one of {choices}") from None
-    if mixed_precision is not None or offload is not None:
-        raise NotImplementedError(
-            "mixed_precision= and offload= are not available yet in this version of flatshard"
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise TypeError(
+            f"mixed_precision={mixed_precision!r}: pass fs.MixedPrecision(param_dtype=...)"
         )
+    if offload is not None:
+        raise NotImplementedError("offload= is not available yet in this version of flatshard")
     return parsed
 
 
@@ -128,9 +139,11 @@ def _timeout(timeout_s: float | None) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
-def _describe(model: nn.Module, plan: WrapPlan, strategy: ShardingStrategy) -> list[str]:
+def _describe(
+    model: nn.Module, plan: WrapPlan, strategy: ShardingStrategy, mixed_precision
+) -> list[str]:
     unit_names = {id(m): n or "<root>" for n, m in model.named_modules() if m in plan.unit_modules}
-    lines = [f"strategy={strategy.value}"]
+    lines = [f"strategy={strategy.value}", f"mixed_precision={mixed_precision!r}"]
     lines += [f"unit {unit_names[id(m)]}" for m in plan.unit_modules]
     for name, p in model.named_parameters():
         lines.append(f"param {name} {tuple(p.shape)} {p.dtype} grad={p.requires_grad}")
@@ -146,6 +159,7 @@ def _build_state(
     topology: Topology,
     timeout: datetime.timedelta,
     init_fn: InitFn | None,
+    mixed_precision: MixedPrecision | None,
 ) -> ShardedState:
     slots: dict[int, list[tuple[nn.Module, str]]] = {}
     owned: list[list[nn.Parameter]] = [[] for _ in plan.unit_modules]
@@ -176,6 +190,7 @@ def _build_state(
             topology=topology,
             stats=stats,
             reshard_after_forward=reshard,
+            mixed_precision=mixed_precision,
         )
         units.append(unit)
     return ShardedState(

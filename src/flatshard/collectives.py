@@ -63,6 +63,11 @@ class PendingWork:
         self.keep_alive = ()
         self._run_then(timeout)
 
+    def add_then(self, fn: Callable[[datetime.timedelta], None]) -> None:
+        """Run ``fn`` after the collective (and after any step already chained)."""
+        first = self.then
+        self.then = fn if first is None else (lambda t: (first(t), fn(t))[-1])
+
     def _run_then(self, timeout: datetime.timedelta) -> None:
         if self.then is not None:
             then, self.then = self.then, None
@@ -88,28 +93,20 @@ def all_gather_into(
     return PendingWork(work if async_op else None, "all_gather", (out, shard))
 
 
-def reduce_scatter_mean(
-    out: torch.Tensor,
-    full: torch.Tensor,
-    group: dist.ProcessGroup,
-    stats: CommStats,
-    *,
-    async_op: bool,
+def reduce_scatter_sum(
+    out: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, stats: CommStats
 ) -> PendingWork:
-    """``out`` = this rank's chunk of the mean over ranks of ``full``."""
+    """Async: ``out`` = this rank's chunk of the sum over ranks of ``full``."""
     stats.record("reduce_scatter", full)
-    work = _reduce_scatter_tensor(out, full, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
-    return PendingWork(work if async_op else None, "reduce_scatter", (out, full))
+    work = _reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return PendingWork(work, "reduce_scatter", (out, full))
 
 
-def all_reduce_mean(
-    tensor: torch.Tensor, group: dist.ProcessGroup, stats: CommStats
-) -> PendingWork:
-    """Async in-place mean over ``group`` (SUM then divide: AVG is not on every backend)."""
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup, stats: CommStats) -> PendingWork:
+    """Async in-place sum over ``group``."""
     stats.record("all_reduce", tensor)
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    world = dist.get_world_size(group)
-    return PendingWork(work, "all_reduce", (tensor,), then=lambda _: tensor.div_(world))
+    return PendingWork(work, "all_reduce", (tensor,))
 
 
 def all_reduce(

@@ -25,14 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import (
-    CommStats,
-    PendingWork,
-    all_gather_into,
-    all_reduce_mean,
-    reduce_scatter_mean,
-)
+from .collectives import CommStats, PendingWork, all_gather_into, all_reduce_sum, reduce_scatter_sum
 from .mesh import Topology
+from .precision import MixedPrecision, compute_dtype, reduce_dtype, sum_scaling
 
 
 @dataclass
@@ -57,8 +52,11 @@ class FlatGroup:
         rank: int,
         world: int,
         device: torch.device,
+        mixed_precision: MixedPrecision | None = None,
     ) -> None:
-        self.dtype = params[0].dtype
+        self.dtype = params[0].dtype  # of the shard: what the optimizer steps on
+        self.compute_dtype = compute_dtype(self.dtype, mixed_precision)  # of the full buffer
+        self.reduce_dtype = reduce_dtype(self.dtype, mixed_precision)  # of the communication
         self.requires_grad = params[0].requires_grad
         self.device = device
         self.world = world
@@ -68,12 +66,13 @@ class FlatGroup:
         self.shard_numel = self.padded_numel // world
         self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
         self.specs = self._layout(params, rank)
-        # Not sharded (no_shard): the shard is the full buffer, nothing to gather or free.
-        self.replicated = world == 1
+        # Not sharded (no_shard) in the stored dtype: the shard is the full buffer, nothing to
+        # gather or free. With a cast (mixed precision) the full buffer is its own tensor.
+        self.replicated = world == 1 and self.compute_dtype == self.dtype
         self.full = (
             self.shard
             if self.replicated
-            else torch.empty(self.padded_numel, dtype=self.dtype, device=device)
+            else torch.empty(self.padded_numel, dtype=self.compute_dtype, device=device)
         )
         self._full_bytes = self.full.untyped_storage().nbytes()
         self.free_full()
@@ -117,18 +116,16 @@ class FlatGroup:
     def gather(
         self, group: dist.ProcessGroup | None, stats: CommStats, *, async_op: bool
     ) -> PendingWork:
-        """All-gather every rank's shard straight into ``full`` (no copy-in, no copy-out)."""
+        """All-gather every rank's shard straight into ``full`` (no copy-in, no copy-out);
+        under mixed precision the shard is cast first, once, so half the bytes travel."""
         self.allocate_full()
-        return all_gather_into(self.full.data, self.shard, group, stats, async_op=async_op)
+        send = self.shard if self.compute_dtype == self.dtype else self.shard.to(self.compute_dtype)
+        return all_gather_into(self.full.data, send, group, stats, async_op=async_op)
 
     def full_views(self) -> list[torch.Tensor]:
         """Full-shape views of ``full``, one per parameter (no autograd edge)."""
         data = self.full.data
         return [data[s.offset : s.offset + s.numel].view(s.shape) for s in self.specs]
-
-    def split_sizes(self) -> list[int]:
-        used = sum(s.numel for s in self.specs)
-        return [s.numel for s in self.specs] + [self.padded_numel - used]
 
     # ---- gradients ---------------------------------------------------------------------------
     def flat_grad_from(self, grads: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
@@ -136,31 +133,40 @@ class FlatGroup:
         pieces = []
         for spec, grad in zip(self.specs, grads, strict=True):
             if grad is None:
-                pieces.append(torch.zeros(spec.numel, dtype=self.dtype, device=self.device))
+                pieces.append(torch.zeros(spec.numel, dtype=self.reduce_dtype, device=self.device))
             else:
-                pieces.append(grad.reshape(-1).to(self.dtype))
+                pieces.append(grad.reshape(-1).to(self.reduce_dtype))
         pad = self.padded_numel - sum(s.numel for s in self.specs)
-        pieces.append(torch.zeros(pad, dtype=self.dtype, device=self.device))
+        pieces.append(torch.zeros(pad, dtype=self.reduce_dtype, device=self.device))
         return torch.cat(pieces)
 
     def zeros_flat_grad(self) -> torch.Tensor:
-        return torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+        return torch.zeros(self.padded_numel, dtype=self.reduce_dtype, device=self.device)
 
     def start_reduce(
         self, flat_grad: torch.Tensor, topo: Topology, stats: CommStats
     ) -> tuple[torch.Tensor, PendingWork]:
         """Start averaging ``flat_grad`` over every data-parallel rank; returns (this rank's
-        gradient shard, work). Sharded: reduce-scatter over the shard group, then (hybrid) an
-        all-reduce of the shard over the replicate group once the first has completed."""
+        gradient shard, work). Sharded: reduce-scatter (SUM) over the shard group, then (hybrid)
+        an all-reduce of the shard over the replicate group once the first has completed; the
+        mean's division is split around the sum (see ``precision.sum_scaling``)."""
+        world = topo.shard_world * (
+            dist.get_world_size(topo.replicate_group) if topo.replicate_group else 1
+        )
+        pre, post = sum_scaling(self.reduce_dtype, world)
+        if pre != 1.0:
+            flat_grad.div_(pre)
         if topo.shard_group is None:  # no_shard: the flat gradient is the shard's gradient
-            if topo.replicate_group is None:
-                return flat_grad, PendingWork(None, "none")
-            return flat_grad, all_reduce_mean(flat_grad, topo.replicate_group, stats)
-        grad_shard = torch.empty(self.shard_numel, dtype=self.dtype, device=self.device)
-        work = reduce_scatter_mean(grad_shard, flat_grad, topo.shard_group, stats, async_op=True)
-        if topo.replicate_group is not None:
-            replicate = topo.replicate_group
-            work.then = lambda t: all_reduce_mean(grad_shard, replicate, stats).wait(t)
+            grad_shard, work = flat_grad, PendingWork(None, "none")
+            if topo.replicate_group is not None:
+                work = all_reduce_sum(grad_shard, topo.replicate_group, stats)
+        else:
+            grad_shard = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
+            work = reduce_scatter_sum(grad_shard, flat_grad, topo.shard_group, stats)
+            if topo.replicate_group is not None:
+                replicate = topo.replicate_group
+                work.then = lambda t: all_reduce_sum(grad_shard, replicate, stats).wait(t)
+        work.add_then(lambda _: grad_shard.div_(post) if post != 1.0 else None)
         return grad_shard, work
 
     def assign_grads(self, grad_shard: torch.Tensor, used: torch.Tensor) -> None:
@@ -169,7 +175,7 @@ class FlatGroup:
             if not is_used:
                 continue
             frag = spec.fragment
-            piece = grad_shard[spec.local_start : spec.local_end]
+            piece = grad_shard[spec.local_start : spec.local_end].to(frag.dtype)
             if frag.grad is None:
                 frag.grad = piece
             else:

@@ -25,9 +25,11 @@ from functools import partial
 from typing import Any
 
 import torch
+from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
+from .precision import MixedPrecision, cast_floating
 from .state import ShardedState
 from .unit import Unit
 
@@ -78,6 +80,22 @@ def register_hooks(state: ShardedState) -> list[Any]:
             module.register_forward_hook(
                 partial(_post_forward, state, unit), with_kwargs=True, always_call=True
             )
+        )
+    return handles
+
+
+def register_precision_casts(model: nn.Module, mp: MixedPrecision) -> list[Any]:
+    """Cast the root's floating inputs to ``param_dtype`` and outputs to ``output_dtype``."""
+    handles = []
+    if mp.cast_forward_inputs and mp.param_dtype is not None:
+
+        def cast_inputs(module, args, kwargs):
+            return cast_floating(args, mp.param_dtype), cast_floating(kwargs, mp.param_dtype)
+
+        handles.append(model.register_forward_pre_hook(cast_inputs, with_kwargs=True))
+    if mp.output_dtype is not None:
+        handles.append(
+            model.register_forward_hook(lambda m, a, out: cast_floating(out, mp.output_dtype))
         )
     return handles
 

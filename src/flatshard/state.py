@@ -92,6 +92,7 @@ class ShardedState:
         self.summoned = False  # inside summon_full_params: hooks stand aside
         self.defer_reduce = False  # inside no_sync(keep="unsharded"): keep flat gradients
         self.recompute_in_backward = False  # fs.checkpoint_activations was applied
+        self.mixed_precision = None  # fs.MixedPrecision or None
 
     # ---- gathering ---------------------------------------------------------------------------
     def ensure_gathered(self, unit: Unit) -> None:

@@ -22,6 +22,7 @@ from torch import nn
 from .collectives import CommStats, PendingWork
 from .flat_group import FlatGroup
 from .mesh import Topology
+from .precision import MixedPrecision
 
 
 class ParamState(enum.Enum):
@@ -62,6 +63,7 @@ class Unit:
         topology: Topology,
         stats: CommStats,
         reshard_after_forward: bool,
+        mixed_precision: MixedPrecision | None = None,
     ) -> None:
         self.index = index
         self.module = module
@@ -72,7 +74,9 @@ class Unit:
         self.groups: list[FlatGroup] = []
         self.slots: list[Slot] = []
         for members in _group_by_kind(params).values():
-            flat = FlatGroup(members, rank=rank, world=world, device=device)
+            flat = FlatGroup(
+                members, rank=rank, world=world, device=device, mixed_precision=mixed_precision
+            )
             gi = len(self.groups)
             self.groups.append(flat)
             for pi, p in enumerate(members):

@@ -1,0 +1,102 @@
+"""``fs.MixedPrecision``: compute and communicate in a low precision, keep fp32 master shards.
+
+What flatshard does with it:
+- The sharded parameters the optimizer sees keep their own dtype (fp32: the master copy).
+- Before each gather, a unit's shard is cast to ``param_dtype`` once, so the all-gather moves
+  (and the gathered buffer holds) half the bytes for bf16/fp16; forward and backward compute on
+  those low-precision full parameters.
+- Gradients are flattened and reduced in ``reduce_dtype`` (default: ``param_dtype``) and cast
+  into the fp32 fragments' ``.grad``. In fp16, each rank divides by ~sqrt(N) before the sum
+  and the result by N/sqrt(N) after, so that summing N ranks cannot overflow fp16's 65504.
+- Floating buffers are cast once to ``buffer_dtype`` when given (default: kept, so running
+  statistics of norms stay fp32). Floating inputs of the root module are cast to
+  ``param_dtype`` (``cast_forward_inputs``), its floating outputs to ``output_dtype`` when given
+  (use ``torch.float32`` to compute the loss in fp32).
+
+[Note: CPU vs CUDA numerics]
+flatshard casts parameters; it does not use autocast. Every op then runs in the dtype of its
+inputs, on either device: layer_norm/softmax on bf16 inputs run in bf16 on CPU *and* on CUDA
+(autocast would upcast them on CUDA but not on CPU). Pass ``output_dtype=torch.float32`` and
+compute the loss outside the model, in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.utils._pytree import tree_map
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Mixed-precision settings for ``fs.shard(mixed_precision=...)``."""
+
+    param_dtype: torch.dtype | None = None
+    """dtype of the gathered parameters that forward/backward compute with (None: as stored)."""
+
+    reduce_dtype: torch.dtype | None = None
+    """dtype of gradient communication (None: ``param_dtype``)."""
+
+    buffer_dtype: torch.dtype | None = None
+    """dtype floating buffers are cast to once, at shard time (None: keep them)."""
+
+    output_dtype: torch.dtype | None = None
+    """dtype the root module's floating outputs are cast to (None: leave them)."""
+
+    cast_forward_inputs: bool = True
+    """Cast the root module's floating inputs to ``param_dtype``."""
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "buffer_dtype", "output_dtype"):
+            value = getattr(self, name)
+            if value is not None and not (
+                isinstance(value, torch.dtype) and value.is_floating_point
+            ):
+                raise ValueError(
+                    f"MixedPrecision({name}={value!r}): pass a floating torch dtype such as "
+                    "torch.bfloat16, torch.float16 or torch.float32 (or None)"
+                )
+
+    @property
+    def effective_reduce_dtype(self) -> torch.dtype | None:
+        return self.reduce_dtype if self.reduce_dtype is not None else self.param_dtype
+
+
+def compute_dtype(stored: torch.dtype, mp: MixedPrecision | None) -> torch.dtype:
+    """The dtype a group of ``stored``-dtype parameters is gathered in."""
+    if mp is None or mp.param_dtype is None or not stored.is_floating_point:
+        return stored
+    return mp.param_dtype
+
+
+def reduce_dtype(stored: torch.dtype, mp: MixedPrecision | None) -> torch.dtype:
+    """The dtype the gradients of a group of ``stored``-dtype parameters are reduced in."""
+    if mp is None or mp.effective_reduce_dtype is None or not stored.is_floating_point:
+        return stored
+    return mp.effective_reduce_dtype
+
+
+def sum_scaling(dtype: torch.dtype, world: int) -> tuple[float, float]:
+    """(divide before, divide after) the cross-rank sum: their product is ``world`` (a mean).
+    fp16 splits it ~sqrt(world) each so neither the addends nor the sum overflow."""
+    if dtype is torch.float16 and world > 1:
+        pre = float(2 ** round(math.log2(math.sqrt(world))))
+        return pre, world / pre
+    return 1.0, float(world)
+
+
+def cast_floating(tree, dtype: torch.dtype | None):
+    """Cast every floating tensor in a pytree of args/outputs to ``dtype`` (None: unchanged)."""
+    if dtype is None:
+        return tree
+
+    def cast(x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return tree_map(cast, tree)
