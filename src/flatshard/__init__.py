@@ -10,11 +10,13 @@ from .activation_checkpoint import checkpoint_activations
 from .api import ShardingStrategy, shard
 from .grad_norm import clip_grad_norm_
 from .methods import register_method
+from .offload import CPUOffload
 from .precision import MixedPrecision
 from .prefetch import Prefetch
 from .state_dict import full_state_dict, load_full_state_dict, summon_full_params
 
 __all__ = [
+    "CPUOffload",
     "MixedPrecision",
     "Prefetch",
     "ShardingStrategy",

@@ -14,6 +14,7 @@ from .collectives import CommStats
 from .fingerprint import check_ranks_agree
 from .mesh import Topology, require_initialized, resolve_topology
 from .meta_init import InitFn, check_nothing_on_meta, has_meta, materialize_unit
+from .offload import CPUOffload
 from .precision import MixedPrecision
 from .prefetch import Prefetch
 from .state import ShardedState
@@ -74,7 +75,7 @@ def shard(
         )
     check_ranks_agree(_describe(model, plan, strategy, mixed_precision), dist.group.WORLD)
     state = _build_state(
-        model, plan, strategy, topology, _timeout(timeout_s), init_fn, mixed_precision
+        model, plan, strategy, topology, _timeout(timeout_s), init_fn, mixed_precision, offload
     )
     state.prefetch_policy = prefetch if prefetch is not None else Prefetch()
     state.mixed_precision = mixed_precision
@@ -123,8 +124,8 @@ def _check_arguments(model, strategy, mixed_precision, offload) -> ShardingStrat
         raise TypeError(
             f"mixed_precision={mixed_precision!r}: pass fs.MixedPrecision(param_dtype=...)"
         )
-    if offload is not None:
-        raise NotImplementedError("offload= is not available yet in this version of flatshard")
+    if offload is not None and not isinstance(offload, CPUOffload):
+        raise TypeError(f"offload={offload!r}: pass fs.CPUOffload(params=True)")
     return parsed
 
 
@@ -160,6 +161,7 @@ def _build_state(
     timeout: datetime.timedelta,
     init_fn: InitFn | None,
     mixed_precision: MixedPrecision | None,
+    offload: CPUOffload | None,
 ) -> ShardedState:
     slots: dict[int, list[tuple[nn.Module, str]]] = {}
     owned: list[list[nn.Parameter]] = [[] for _ in plan.unit_modules]
@@ -191,6 +193,7 @@ def _build_state(
             stats=stats,
             reshard_after_forward=reshard,
             mixed_precision=mixed_precision,
+            offload=offload,
         )
         units.append(unit)
     return ShardedState(

@@ -27,6 +27,7 @@ from torch import nn
 
 from .collectives import CommStats, PendingWork, all_gather_into, all_reduce_sum, reduce_scatter_sum
 from .mesh import Topology
+from .offload import CPUOffload, pin_if_useful, storage_device
 from .precision import MixedPrecision, compute_dtype, reduce_dtype, sum_scaling
 
 
@@ -53,22 +54,26 @@ class FlatGroup:
         world: int,
         device: torch.device,
         mixed_precision: MixedPrecision | None = None,
+        offload: CPUOffload | None = None,
     ) -> None:
         self.dtype = params[0].dtype  # of the shard: what the optimizer steps on
         self.compute_dtype = compute_dtype(self.dtype, mixed_precision)  # of the full buffer
         self.reduce_dtype = reduce_dtype(self.dtype, mixed_precision)  # of the communication
         self.requires_grad = params[0].requires_grad
-        self.device = device
+        self.device = device  # where the gathered buffer lives and compute happens
+        self.offloaded = offload is not None and offload.params
+        self.storage = storage_device(device, offload)  # where the shard lives
         self.world = world
         self.rank = rank
         total = sum(p.numel() for p in params)
         self.padded_numel = max(world, math.ceil(total / world) * world)
         self.shard_numel = self.padded_numel // world
-        self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
+        self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.storage)
+        self.shard = pin_if_useful(self.shard, device)
         self.specs = self._layout(params, rank)
         # Not sharded (no_shard) in the stored dtype: the shard is the full buffer, nothing to
         # gather or free. With a cast (mixed precision) the full buffer is its own tensor.
-        self.replicated = world == 1 and self.compute_dtype == self.dtype
+        self.replicated = world == 1 and self.compute_dtype == self.dtype and self.storage == device
         self.full = (
             self.shard
             if self.replicated
@@ -119,7 +124,12 @@ class FlatGroup:
         """All-gather every rank's shard straight into ``full`` (no copy-in, no copy-out);
         under mixed precision the shard is cast first, once, so half the bytes travel."""
         self.allocate_full()
-        send = self.shard if self.compute_dtype == self.dtype else self.shard.to(self.compute_dtype)
+        send = self.shard
+        if self.offloaded:  # to the device (a no-op copy on a CPU-only run)
+            stats.record("offload_h2d", send)
+            send = send.to(self.device, non_blocking=True)
+        if send.dtype != self.compute_dtype:
+            send = send.to(self.compute_dtype)
         return all_gather_into(self.full.data, send, group, stats, async_op=async_op)
 
     def full_views(self) -> list[torch.Tensor]:
@@ -169,8 +179,11 @@ class FlatGroup:
         work.add_then(lambda _: grad_shard.div_(post) if post != 1.0 else None)
         return grad_shard, work
 
-    def assign_grads(self, grad_shard: torch.Tensor, used: torch.Tensor) -> None:
+    def assign_grads(self, grad_shard: torch.Tensor, used: torch.Tensor, stats: CommStats) -> None:
         """Give each used fragment its slice of ``grad_shard``; unused ones keep ``.grad``."""
+        if self.offloaded:  # back to host memory, synchronously: the optimizer reads it next
+            stats.record("offload_d2h", grad_shard)
+            grad_shard = grad_shard.to(self.storage)
         for spec, is_used in zip(self.specs, used.tolist(), strict=True):
             if not is_used:
                 continue

@@ -152,7 +152,7 @@ class ShardedState:
         if reduced:
             used = self._agree_on_usage([r.used for r in reduced])
             for r, used_globally in zip(reduced, used, strict=True):
-                r.unit.groups[r.group_index].assign_grads(r.grad_shard, used_globally)
+                r.unit.groups[r.group_index].assign_grads(r.grad_shard, used_globally, self.stats)
         self.reshard_all()
         self.forward_order.freeze()
         self.backward_order.freeze()

@@ -22,6 +22,7 @@ from torch import nn
 from .collectives import CommStats, PendingWork
 from .flat_group import FlatGroup
 from .mesh import Topology
+from .offload import CPUOffload
 from .precision import MixedPrecision
 
 
@@ -64,6 +65,7 @@ class Unit:
         stats: CommStats,
         reshard_after_forward: bool,
         mixed_precision: MixedPrecision | None = None,
+        offload: CPUOffload | None = None,
     ) -> None:
         self.index = index
         self.module = module
@@ -75,7 +77,12 @@ class Unit:
         self.slots: list[Slot] = []
         for members in _group_by_kind(params).values():
             flat = FlatGroup(
-                members, rank=rank, world=world, device=device, mixed_precision=mixed_precision
+                members,
+                rank=rank,
+                world=world,
+                device=device,
+                mixed_precision=mixed_precision,
+                offload=offload,
             )
             gi = len(self.groups)
             self.groups.append(flat)
