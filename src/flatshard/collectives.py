@@ -96,8 +96,18 @@ def all_gather_into(
 def reduce_scatter_sum(
     out: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, stats: CommStats
 ) -> PendingWork:
-    """Async: ``out`` = this rank's chunk of the sum over ranks of ``full``."""
+    """Async: ``out`` = this rank's chunk of the sum over ranks of ``full``.
+
+    On Gloo the reduce-scatter is done as an all-reduce of ``full`` plus a copy of this rank's
+    chunk: Gloo's reduce_scatter is measured 1.5x slower than its all_reduce of the same buffer
+    (6.8 MiB: 22.7 vs 14.3 ms at world 2, 32.9 vs 22.2 ms at world 3 on the 2-core CI box),
+    although it moves fewer bytes. ``full`` is scratch (the flat gradient) either way.
+    """
     stats.record("reduce_scatter", full)
+    if dist.get_backend(group) == "gloo":
+        work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        chunk = full.view(-1, out.numel())[dist.get_rank(group)]
+        return PendingWork(work, "reduce_scatter", (out, full), then=lambda _: out.copy_(chunk))
     work = _reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
     return PendingWork(work, "reduce_scatter", (out, full))
 

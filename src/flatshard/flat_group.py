@@ -175,7 +175,7 @@ class FlatGroup:
             work = reduce_scatter_sum(grad_shard, flat_grad, topo.shard_group, stats)
             if topo.replicate_group is not None:
                 replicate = topo.replicate_group
-                work.then = lambda t: all_reduce_sum(grad_shard, replicate, stats).wait(t)
+                work.add_then(lambda t: all_reduce_sum(grad_shard, replicate, stats).wait(t))
         work.add_then(lambda _: grad_shard.div_(post) if post != 1.0 else None)
         return grad_shard, work
 
