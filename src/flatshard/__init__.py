@@ -4,11 +4,21 @@ Parameters live in one flat buffer per unit; each rank owns a slice of it and th
 steps on that slice. See ``fs.shard``.
 """
 
-from . import wrap
+from . import optim, wrap
 from .accumulate import no_sync
 from .activation_checkpoint import checkpoint_activations
 from .api import ShardingStrategy, shard
+from .checkpoint import (
+    SaveHandle,
+    export_checkpoint,
+    export_safetensors,
+    latest_checkpoint,
+    load,
+    load_full_state_dict_from_file,
+    save,
+)
 from .grad_norm import clip_grad_norm_
+from .grad_scaler import GradScaler
 from .methods import register_method
 from .offload import CPUOffload
 from .precision import MixedPrecision
@@ -17,15 +27,24 @@ from .state_dict import full_state_dict, load_full_state_dict, summon_full_param
 
 __all__ = [
     "CPUOffload",
+    "GradScaler",
     "MixedPrecision",
     "Prefetch",
+    "SaveHandle",
     "ShardingStrategy",
     "checkpoint_activations",
     "clip_grad_norm_",
+    "export_checkpoint",
+    "export_safetensors",
     "full_state_dict",
+    "latest_checkpoint",
+    "load",
     "load_full_state_dict",
+    "load_full_state_dict_from_file",
     "no_sync",
+    "optim",
     "register_method",
+    "save",
     "shard",
     "summon_full_params",
     "wrap",

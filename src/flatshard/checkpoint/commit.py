@@ -15,6 +15,7 @@ All ranks must see one shared filesystem (as DCP itself needs for resharding loa
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -37,7 +38,7 @@ PAUSE_ENV = "FLATSHARD_CHECKPOINT_TEST_PAUSE_S"
 
 def new_tmp_dir(path: Path) -> Path:
     """Create ``<path>.tmp-<id>`` (removing earlier partial saves to the same path)."""
-    for stale in path.parent.glob(f"{path.name}{TMP_MARK}*"):
+    for stale in path.parent.glob(f"{glob.escape(path.name)}{TMP_MARK}*"):
         shutil.rmtree(stale, ignore_errors=True)
     tmp = path.with_name(f"{path.name}{TMP_MARK}{uuid.uuid4().hex[:12]}")
     tmp.mkdir(parents=True)

@@ -25,7 +25,7 @@ def encode(value: Any, where: str = "extra") -> Any:
             return {"__flatshard_float__": repr(value)}
         return value
     if isinstance(value, torch.Tensor):
-        t = value.detach().to("cpu").contiguous()
+        t = value.detach().to("cpu", copy=True).contiguous()  # .numpy() pins storages
         raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
         data = base64.b64encode(raw.numpy().tobytes()).decode("ascii")
         spec = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}

@@ -47,6 +47,11 @@ class ModelLayout:
 def model_layout(model: nn.Module) -> ModelLayout:
     """Parameters, buffers and aliases of a sharded ``model``, keyed like its ``state_dict``."""
     state = get_state(model)
+    if state.summoned:
+        raise ValueError(
+            "cannot checkpoint inside fs.summon_full_params (parameters are full views there); "
+            "save or load after the with-block"
+        )
     where = {}
     for unit in state.units:
         for group in unit.groups:

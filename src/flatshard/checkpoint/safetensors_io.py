@@ -10,6 +10,7 @@ header order; peak memory is what the caller holds, not the model.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
@@ -75,9 +76,12 @@ class StreamingSafetensorsWriter:
                 f"export wrote {name} {tensor.dtype} {tuple(tensor.shape)}, header expects "
                 f"{want_name} {dtype} {shape}"
             )
-        data = tensor.detach().to("cpu").contiguous().reshape(-1)
+        data = tensor.detach().to("cpu").contiguous()
         if data.numel():
-            self._file.write(memoryview(data.view(torch.uint8).numpy()))
+            # Raw bytes without .numpy(): numpy would pin the storage as non-resizable, and a
+            # gathered unit's buffer must stay resizable (it is freed on reshard).
+            raw = (ctypes.c_ubyte * data.nbytes).from_address(data.data_ptr())
+            self._file.write(memoryview(raw))
         self._next += 1
 
     def close(self) -> Path:

@@ -40,12 +40,16 @@ class SaveHandle:
     def __init__(self, path: Path, future: Future) -> None:
         self.path = path
         self._future = future
+        self.observed = False  # wait() was called: its outcome reached the caller
 
     def done(self) -> bool:
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> Path:
-        self._future.result(timeout)
+        try:
+            self._future.result(timeout)  # the save's error, or TimeoutError if still running
+        finally:
+            self.observed = self._future.done()
         return self.path
 
 
@@ -56,10 +60,19 @@ class _Session:
         self.pending: SaveHandle | None = None
         self.async_group: dist.ProcessGroup | None = None
 
+    def __deepcopy__(self, memo: dict) -> _Session:
+        return _Session()  # a copied model starts with no save in flight (and no group)
+
     def wait_pending(self) -> None:
+        """Wait for the save in flight; re-raise its error unless ``wait()`` already did."""
         pending, self.pending = self.pending, None
-        if pending is not None:
+        if pending is None:
+            return
+        try:
             pending.wait()
+        except BaseException:
+            if not pending.observed:
+                raise
 
 
 def session_of(model: nn.Module) -> _Session:

@@ -1,0 +1,169 @@
+"""Checkpoint save/load throughput: flatshard (fs.save/fs.load) vs torch DCP on FSDP2, interleaved.
+
+Run (world 2, gloo, CPU):
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 bench/bench_checkpoint.py \
+        [--rounds 4] [--dim 512 --layers 8 --vocab 8192 --heads 8] [--dir DIR] [--json F]
+
+Both models are the same GPT (bench_step.py's), same seed, one AdamW step taken so optimizer
+state exists; each checkpoint holds the model and the optimizer state. Every round saves and
+then loads with each method (order rotated each round); a time is the slowest rank's, between
+barriers, including fsync and (flatshard) checksums and the atomic commit. Throughput is the
+checkpoint's bytes on disk over the median time; ratios are ratios of medians. The figure to
+read is the ratio; absolute MB/s on this shared box are disk-cache noise. ``flatshard_async``
+is the time ``fs.save(async_=True)`` blocks the training loop (the snapshot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from bench_step import GPT, Block
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+import flatshard as fs
+import flatshard.checkpoint as ckpt
+
+
+def build(mode: str, args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = GPT(args.vocab, args.d, args.layers, args.heads, args.seq)
+    if mode == "flatshard":
+        model = fs.shard(model, policy=fs.wrap.by_type(Block))
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, args.vocab, (2, args.seq + 1), generator=torch.Generator().manual_seed(1))
+    F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def fsdp2_save(model, opt, path: Path) -> None:
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.save(sd, checkpoint_id=str(path))
+
+
+def fsdp2_load(model, opt, path: Path) -> None:
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(sd, checkpoint_id=str(path))
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opt, sd["optim"])
+
+
+def timed(fn, *args) -> float:
+    """Seconds ``fn`` took on the slowest rank."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn(*args)
+    dist.barrier()
+    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def run(args: argparse.Namespace) -> dict:
+    root = Path(args.dir)
+    models = {m: build(m, args) for m in ("flatshard", "fsdp2")}
+    fs_model, fs_opt = models["flatshard"]
+    ops = {
+        "flatshard_save": lambda p: ckpt.save(p, model=fs_model, optimizer=fs_opt),
+        "flatshard_load": lambda p: ckpt.load(p, model=fs_model, optimizer=fs_opt),
+        "fsdp2_save": lambda p: fsdp2_save(*models["fsdp2"], p),
+        "fsdp2_load": lambda p: fsdp2_load(*models["fsdp2"], p),
+        "flatshard_async": lambda p: ckpt.save(p, model=fs_model, optimizer=fs_opt, async_=True),
+    }
+    times: dict[str, list[float]] = {k: [] for k in ops}
+    sizes: dict[str, int] = {}
+    for i in range(args.rounds + 1):  # round 0 is warmup
+        order = ["flatshard", "fsdp2"][i % 2 :] + ["flatshard", "fsdp2"][: i % 2]
+        for mode in order:
+            path = root / f"{mode}_{i}"
+            for op in ("save", "load"):
+                t = timed(ops[f"{mode}_{op}"], path)
+                if i > 0:
+                    times[f"{mode}_{op}"].append(t)
+            sizes[mode] = sum(f.stat().st_size for f in path.iterdir())
+            _cleanup(path)
+        path = root / f"async_{i}"
+        t = timed(ops["flatshard_async"], path)
+        ckpt.saver.session_of(fs_model).wait_pending()
+        if i > 0:
+            times["flatshard_async"].append(t)
+        _cleanup(path)
+    return summarize(times, sizes)
+
+
+def _cleanup(path: Path) -> None:
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def summarize(times: dict[str, list[float]], sizes: dict[str, int]) -> dict:
+    med = {k: statistics.median(v) for k, v in times.items()}
+    mb = {m: s / 1e6 for m, s in sizes.items()}
+    out = {"bytes": sizes, "median_s": med, "times_s": times}
+    out["mb_per_s"] = {k: mb[k.split("_")[0]] / v for k, v in med.items() if "async" not in k}
+    out["ratio_flatshard_over_fsdp2_time"] = {
+        op: med[f"flatshard_{op}"] / med[f"fsdp2_{op}"] for op in ("save", "load")
+    }
+    return out
+
+
+def report(out: dict, args: argparse.Namespace) -> None:
+    print(
+        f"checkpoint of GPT d={args.d} layers={args.layers} vocab={args.vocab} + AdamW state, "
+        f"world {dist.get_world_size()}, {args.rounds} rounds (+1 warmup), median times"
+    )
+    for mode, size in out["bytes"].items():
+        print(f"  {mode:9} on disk: {size / 1e6:8.1f} MB")
+    for key, sec in out["median_s"].items():
+        rate = out["mb_per_s"].get(key)
+        extra = f"{rate:8.1f} MB/s" if rate else "   (blocking time of the async save)"
+        print(f"  {key:16} {sec * 1e3:9.1f} ms {extra}")
+    for op, ratio in out["ratio_flatshard_over_fsdp2_time"].items():
+        print(f"  {op}: flatshard time / fsdp2 time = {ratio:.2f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--dim", dest="d", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--dir", default="/tmp/flatshard_ckpt_bench")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    out = run(args)
+    if dist.get_rank() == 0:
+        report(out, args)
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
