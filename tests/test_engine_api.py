@@ -245,9 +245,10 @@ def case_collective_counts(strategy: str) -> dict:
 
 UNITS = 3 + 1  # three blocks and the root
 EXPECTED_COUNTS = {  # strategy -> (world, collectives per step of a 3-block TinyGPT)
-    # full_shard: every unit gathers for forward, the blocks again for backward (the root stays
-    # gathered); one reduce-scatter per unit; one tiny all-reduce of "used" flags.
-    "full_shard": (2, {"all_gather": UNITS + 3, "reduce_scatter": UNITS, "usage_all_reduce": 1}),
+    # full_shard: every unit gathers for forward, the blocks but the last one again for backward
+    # (the root and the last unit of the forward stay gathered); one reduce-scatter per unit;
+    # one tiny all-reduce of "used" flags.
+    "full_shard": (2, {"all_gather": UNITS + 2, "reduce_scatter": UNITS, "usage_all_reduce": 1}),
     "shard_grad_op": (2, {"all_gather": UNITS, "reduce_scatter": UNITS, "usage_all_reduce": 1}),
     "no_shard": (2, {"all_reduce": UNITS, "usage_all_reduce": 1}),
     # hybrid 2x2: reduce-scatter in the shard pair, then all-reduce of the shard across pairs;
@@ -255,7 +256,7 @@ EXPECTED_COUNTS = {  # strategy -> (world, collectives per step of a 3-block Tin
     "hybrid_shard": (
         4,
         {
-            "all_gather": UNITS + 3,
+            "all_gather": UNITS + 2,
             "reduce_scatter": UNITS,
             "all_reduce": UNITS,
             "usage_all_reduce": 2,

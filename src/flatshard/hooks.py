@@ -121,7 +121,10 @@ def _post_forward(state: ShardedState, unit: Unit, module, args, kwargs, output)
     unit.forward_depth = max(0, unit.forward_depth - 1)
     if unit.forward_depth == 0:  # not inside an outer call of the same unit (register_method)
         unit.install_fragments()
-        if unit.reshard_after_forward:
+        # The last unit of the forward is the first of the backward: keep it (one regather
+        # less per step). Only with grad: a no-grad forward has no backward to wait for.
+        keep = torch.is_grad_enabled() and state.forward_order.is_last(unit)
+        if unit.reshard_after_forward and not keep:
             unit.reshard(state.timeout)
     if torch.is_grad_enabled() and unit.grad.pending_nodes > 0:
         _hook_output_grads(state, unit, output)

@@ -52,6 +52,9 @@ class StepOrder:
             self.frozen = self.recording
             self.next_of = {id(a): b for a, b in zip(self.frozen, self.frozen[1:], strict=False)}
 
+    def is_last(self, unit: Unit) -> bool:
+        return self.frozen is not None and self.frozen[-1] is unit
+
     def after(self, unit: Unit, count: int = 1) -> list[Unit]:
         """The ``count`` units that follow ``unit`` in the recorded order."""
         ahead: list[Unit] = []
