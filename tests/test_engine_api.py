@@ -533,3 +533,29 @@ def test_prefetch_config_is_validated():
         fs.Prefetch(forward=-1)
     with pytest.raises(ValueError, match="'sideways'"):
         fs.Prefetch(backward="sideways")
+
+
+def case_debug_mode_reports_desync() -> str:
+    import os
+
+    os.environ["FLATSHARD_DEBUG"] = "1"
+    try:
+        torch.manual_seed(0)
+        model = fs.shard(TinyGPT(), policy=fs.wrap.by_type(Block))
+        _lm(model, torch.randint(0, 50, (2, 13))).backward()  # in step: checks pass
+        try:
+            if dist.get_rank() == 0:
+                fs.full_state_dict(model)  # gathers block 0 first...
+            else:
+                model(torch.randint(0, 50, (2, 12)))  # ...while this gathers the root first
+        except RuntimeError as err:
+            return str(err)
+        return ""
+    finally:
+        del os.environ["FLATSHARD_DEBUG"]
+
+
+def test_debug_mode_names_mismatched_collectives(dist_pools):
+    for message in dist_pools(2).run(case_debug_mode_reports_desync):
+        assert "collective mismatch" in message
+        assert "unit 0 (Block)" in message and "(TinyGPT)" in message

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .debug import OpChecker, debug_enabled
+
 # torch 2.13 renamed the tensor collectives (the old names warn); torch 2.6 has only the old.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -24,12 +26,24 @@ _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 @dataclass
 class CommStats:
-    """Per-model counts of issued collectives (``op -> count``) and bytes this rank sent."""
+    """Per-model counts of issued collectives (``op -> count``) and bytes this rank sent; in
+    debug mode (``FLATSHARD_DEBUG=1``) also the cross-rank check that precedes each one."""
 
     calls: Counter = field(default_factory=Counter)
     bytes: Counter = field(default_factory=Counter)
+    checker: OpChecker | None = field(
+        default_factory=lambda: OpChecker() if debug_enabled() else None
+    )
 
-    def record(self, op: str, tensor: torch.Tensor) -> None:
+    def record(
+        self,
+        op: str,
+        tensor: torch.Tensor,
+        group: dist.ProcessGroup | None = None,
+        label: str = "",
+    ) -> None:
+        if self.checker is not None and group is not None:
+            self.checker.check(group, op, tensor, label)
         self.calls[op] += 1
         self.bytes[op] += tensor.numel() * tensor.element_size()
 
@@ -81,6 +95,7 @@ def all_gather_into(
     stats: CommStats,
     *,
     async_op: bool,
+    label: str = "",
 ) -> PendingWork:
     """Gather every rank's ``shard`` into ``out`` (``out.numel() == world * shard.numel()``).
     ``group=None`` is a group of one: nothing to gather (callers alias ``out`` and ``shard``)."""
@@ -88,13 +103,17 @@ def all_gather_into(
         if out.data_ptr() != shard.data_ptr():
             out.copy_(shard)
         return PendingWork(None, "all_gather")
-    stats.record("all_gather", shard)
+    stats.record("all_gather", shard, group, label)
     work = _all_gather_tensor(out, shard, group=group, async_op=async_op)
     return PendingWork(work if async_op else None, "all_gather", (out, shard))
 
 
 def reduce_scatter_sum(
-    out: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, stats: CommStats
+    out: torch.Tensor,
+    full: torch.Tensor,
+    group: dist.ProcessGroup,
+    stats: CommStats,
+    label: str = "",
 ) -> PendingWork:
     """Async: ``out`` = this rank's chunk of the sum over ranks of ``full``.
 
@@ -103,7 +122,7 @@ def reduce_scatter_sum(
     (6.8 MiB: 22.7 vs 14.3 ms at world 2, 32.9 vs 22.2 ms at world 3 on the 2-core CI box),
     although it moves fewer bytes. ``full`` is scratch (the flat gradient) either way.
     """
-    stats.record("reduce_scatter", full)
+    stats.record("reduce_scatter", full, group, label)
     if dist.get_backend(group) == "gloo":
         work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=True)
         chunk = full.view(-1, out.numel())[dist.get_rank(group)]
@@ -112,9 +131,11 @@ def reduce_scatter_sum(
     return PendingWork(work, "reduce_scatter", (out, full))
 
 
-def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup, stats: CommStats) -> PendingWork:
+def all_reduce_sum(
+    tensor: torch.Tensor, group: dist.ProcessGroup, stats: CommStats, label: str = ""
+) -> PendingWork:
     """Async in-place sum over ``group``."""
-    stats.record("all_reduce", tensor)
+    stats.record("all_reduce", tensor, group, label)
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
     return PendingWork(work, "all_reduce", (tensor,))
 
@@ -130,7 +151,7 @@ def all_reduce(
     """Blocking in-place all-reduce (small tensors: flags, norms, counts); None: a group of one."""
     if group is None:
         return
-    stats.record(name, tensor)
+    stats.record(name, tensor, group, name)
     dist.all_reduce(tensor, op=op, group=group)
 
 
@@ -138,6 +159,6 @@ def broadcast(
     tensor: torch.Tensor, src_rank: int, group: dist.ProcessGroup, stats: CommStats
 ) -> None:
     """Blocking broadcast from the group rank ``src_rank``."""
-    stats.record("broadcast", tensor)
+    stats.record("broadcast", tensor, group, "broadcast")
     if dist.get_world_size(group) > 1:
         dist.broadcast(tensor, group=group, group_src=src_rank)

@@ -55,7 +55,9 @@ class FlatGroup:
         device: torch.device,
         mixed_precision: MixedPrecision | None = None,
         offload: CPUOffload | None = None,
+        label: str = "",
     ) -> None:
+        self.label = label  # names the group in debug-mode mismatch reports
         self.dtype = params[0].dtype  # of the shard: what the optimizer steps on
         self.compute_dtype = compute_dtype(self.dtype, mixed_precision)  # of the full buffer
         self.reduce_dtype = reduce_dtype(self.dtype, mixed_precision)  # of the communication
@@ -130,7 +132,9 @@ class FlatGroup:
             send = send.to(self.device, non_blocking=True)
         if send.dtype != self.compute_dtype:
             send = send.to(self.compute_dtype)
-        return all_gather_into(self.full.data, send, group, stats, async_op=async_op)
+        return all_gather_into(
+            self.full.data, send, group, stats, async_op=async_op, label=self.label
+        )
 
     def full_views(self) -> list[torch.Tensor]:
         """Full-shape views of ``full``, one per parameter (no autograd edge)."""
@@ -169,13 +173,15 @@ class FlatGroup:
         if topo.shard_group is None:  # no_shard: the flat gradient is the shard's gradient
             grad_shard, work = flat_grad, PendingWork(None, "none")
             if topo.replicate_group is not None:
-                work = all_reduce_sum(grad_shard, topo.replicate_group, stats)
+                work = all_reduce_sum(grad_shard, topo.replicate_group, stats, self.label)
         else:
             grad_shard = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
-            work = reduce_scatter_sum(grad_shard, flat_grad, topo.shard_group, stats)
+            work = reduce_scatter_sum(grad_shard, flat_grad, topo.shard_group, stats, self.label)
             if topo.replicate_group is not None:
                 replicate = topo.replicate_group
-                work.add_then(lambda t: all_reduce_sum(grad_shard, replicate, stats).wait(t))
+                work.add_then(
+                    lambda t: all_reduce_sum(grad_shard, replicate, stats, self.label).wait(t)
+                )
         work.add_then(lambda _: grad_shard.div_(post) if post != 1.0 else None)
         return grad_shard, work
 

@@ -83,6 +83,7 @@ class Unit:
                 device=device,
                 mixed_precision=mixed_precision,
                 offload=offload,
+                label=f"unit {index} ({type(module).__name__}) group {len(self.groups)}",
             )
             gi = len(self.groups)
             self.groups.append(flat)
