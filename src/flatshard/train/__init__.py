@@ -16,6 +16,7 @@ are imported only when a plot is drawn or a progress bar shown.
 | ``checkpointing.py`` | when to save, what goes in ``extra``, keep-last-K, resume state |
 """
 
+from flatshard.train.cli import run
 from flatshard.train.config import (
     CheckpointConfig,
     DataConfig,
@@ -36,4 +37,5 @@ __all__ = [
     "ParallelConfig",
     "PrecisionConfig",
     "TrainConfig",
+    "run",
 ]

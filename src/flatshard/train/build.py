@@ -50,7 +50,8 @@ def init_distributed(backend: str, timeout_s: float) -> Env:
     if backend == "nccl":
         if not torch.cuda.is_available():
             raise ValueError("parallel.backend='nccl' needs CUDA GPUs; use --parallel.backend gloo")
-        device = torch.device("cuda", local_rank)
+        # srun --gpus-per-task may show each task only its own GPU: index modulo what is visible
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
@@ -79,7 +80,24 @@ def build_model(cfg: TrainConfig, env: Env) -> GPT:
         policy=fs.wrap.by_type(Block),
         strategy=cfg.parallel.strategy,
         mixed_precision=mixed_precision(cfg),
+        mesh=_hybrid_mesh(env) if cfg.parallel.strategy == "hybrid_shard" else None,
         timeout_s=cfg.parallel.timeout_s,
+    )
+
+
+def _hybrid_mesh(env: Env) -> object:
+    """hybrid_shard's 2-D mesh: replicate across machines, shard within one (fast links)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    nodes, per_node = divmod(env.world, env.local_world)
+    if per_node:
+        raise ValueError(
+            f"parallel.strategy='hybrid_shard' needs the same number of workers on every "
+            f"machine, but world size {env.world} is not a multiple of {env.local_world} "
+            "workers here; use full_shard"
+        )
+    return init_device_mesh(
+        env.device.type, (nodes, env.local_world), mesh_dim_names=("replicate", "shard")
     )
 
 

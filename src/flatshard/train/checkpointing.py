@@ -28,7 +28,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["CheckpointManager", "rng_state", "set_rng_state"]
+__all__ = [
+    "CheckpointManager",
+    "existing_checkpoints",
+    "refuse_to_mix",
+    "rng_state",
+    "set_rng_state",
+]
 
 _NAME = re.compile(r"^step_(\d+)$")
 
@@ -55,6 +61,26 @@ def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+def existing_checkpoints(directory: Path) -> list[Path]:
+    """The ``step_NNNNNN`` checkpoints under ``directory``, oldest step first (partial saves have
+    other names until they are complete)."""
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.iterdir() if _NAME.match(p.name) and p.is_dir()]
+    return sorted(found, key=lambda p: int(p.name.removeprefix("step_")))
+
+
+def refuse_to_mix(directory: Path) -> None:
+    """A fresh run must not write into another run's checkpoints (resume would pick the newest
+    of either): ``ValueError`` with the fix."""
+    found = existing_checkpoints(directory)
+    if found:
+        raise ValueError(
+            f"{directory} already holds checkpoints (newest {found[-1].name}); pass --resume to "
+            "continue that run, or choose another --out (or delete the old run)"
+        )
+
+
 class CheckpointManager:
     """Saves every ``every`` steps and after the last, keeps the newest ``keep``."""
 
@@ -75,10 +101,7 @@ class CheckpointManager:
 
     def existing(self) -> list[Path]:
         """Complete checkpoints (renamed into place), oldest first."""
-        if not self.directory.is_dir():
-            return []
-        found = [p for p in self.directory.iterdir() if _NAME.match(p.name) and p.is_dir()]
-        return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))  # type: ignore[union-attr]
+        return existing_checkpoints(self.directory)
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or None."""
@@ -108,10 +131,9 @@ class CheckpointManager:
     def wait(self) -> None:
         """Block until an in-flight async save is on disk (before the next save and at exit)."""
         pending, self._pending = self._pending, None
-        for method in ("result", "wait"):  # a Future, or a work-like handle
-            if pending is not None and hasattr(pending, method):
-                getattr(pending, method)()
-                return
+        if pending is not None:
+            pending.wait()  # flatshard.checkpoint.SaveHandle
+            self._prune()  # now that it is complete, the oldest one can go
 
     def _prune(self) -> None:
         """Rank 0 deletes all but the newest ``keep`` complete checkpoints (an async save still

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from flatshard.train.config import SECTIONS, TrainConfig
 from flatshard.train.config_io import apply_overrides, field_docs, load_toml, to_toml
 
-__all__ = ["main", "parse_config"]
+__all__ = ["main", "parse_config", "run"]
 
 _SHORTCUTS = {
     "steps": "steps",
@@ -58,8 +59,8 @@ def _settings_help() -> str:
     for name, cls in SECTIONS.items():
         docs = field_docs(cls)
         for key, value in vars(cls()).items():
-            first = docs.get(key, "").splitlines()[0] if docs.get(key) else ""
-            lines.append(f"  --{name}.{key} (default {value!r}): {first}")
+            text = " ".join(docs.get(key, "").split())
+            lines.append(f"  --{name}.{key} (default {value!r}): {text}")
     return "\n".join(lines)
 
 
@@ -97,14 +98,21 @@ def parse_config(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
     return apply_overrides(cfg, shortcuts + _overrides(rest)), args
 
 
-def _precheck(cfg: TrainConfig) -> None:
+def _precheck(cfg: TrainConfig, resume: bool) -> None:
     """Fail before spawning anything: user data that cannot be read, a missing optional
-    package. The workers would find the same, on every rank, after seconds of start-up."""
+    package, a fresh run into old checkpoints. The workers would find the same, on every rank,
+    after seconds of start-up."""
     import importlib.util
+    from pathlib import Path
 
+    from flatshard.train.checkpointing import refuse_to_mix
     from flatshard.train.data import read_documents
     from flatshard.train.resolve import mixed_precision
 
+    if resume and not cfg.checkpoint.enabled:
+        raise ValueError("--resume needs checkpoints, but checkpoint.enabled=false; enable them")
+    if cfg.checkpoint.enabled and not resume:
+        refuse_to_mix(Path(cfg.out) / "checkpoints")
     if cfg.data.path:
         read_documents(cfg.data)
     if cfg.log.tensorboard and importlib.util.find_spec("tensorboard") is None:
@@ -119,9 +127,10 @@ def _precheck(cfg: TrainConfig) -> None:
 def _launch(cfg: TrainConfig, resume: bool) -> int:
     """Start the local workers with torch's elastic launcher and wait for them."""
     import torch
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from flatshard.train.launcher import launch_local
+    from flatshard.train.launcher import failure_report, launch_local
     from flatshard.train.resolve import default_nproc
     from flatshard.train.session import worker_main
 
@@ -129,36 +138,64 @@ def _launch(cfg: TrainConfig, resume: bool) -> int:
     cpu = not torch.cuda.is_available() or cfg.parallel.backend == "gloo"
     try:
         launch_local(nproc, worker_main, cfg, resume, cpu=cpu)
-    except ChildFailedError as e:
-        codes = sorted({f.exitcode for f in e.failures.values()})
+    except (KeyboardInterrupt, SignalException) as e:  # the workers are stopped by now
+        sig = getattr(e, "sigval", signal.SIGINT)
         print(
-            f"flatshard train: worker(s) failed (exit status {codes}); see the errors above",
+            f"flatshard train: stopped by {signal.Signals(sig).name}; continue with the same "
+            "command and --resume (from the newest checkpoint)",
             file=sys.stderr,
         )
-        return 2 if codes == [2] else 1
+        return 128 + int(sig)
+    except ChildFailedError as e:
+        text, status = failure_report(e.failures)
+        print(text, file=sys.stderr)
+        return status
     return 0
+
+
+def run(cfg: TrainConfig, *, resume: bool = False) -> int:
+    """Train with ``cfg``: launch local workers, or be a worker under torchrun/srun.
+
+    The programmatic form of ``flatshard train`` (call it under ``if __name__ == "__main__":``:
+    workers are spawned processes that import the caller's main module). Returns the exit status.
+    """
+    from flatshard.train.launcher import launched_externally, slurm_environment
+
+    mode = launched_externally(os.environ)
+    if mode is None:
+        try:
+            _precheck(cfg, resume)
+        except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
+            print(f"flatshard train: error: {e}", file=sys.stderr)
+            return 2
+        return _launch(cfg, resume)
+    if mode == "srun":
+        os.environ.update(slurm_environment(os.environ))
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if cfg.parallel.nproc and local and cfg.parallel.nproc != int(local) and _rank0():
+        print(
+            f"flatshard train: note: parallel.nproc={cfg.parallel.nproc} has no effect under "
+            f"{mode}, which started {local} workers here",
+            file=sys.stderr,
+        )
+    return _run_here(cfg, resume)
+
+
+def _rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
 
 
 def main(argv: list[str]) -> int:
     """``flatshard train ...``; returns the exit status."""
-    from flatshard.train.launcher import launched_externally, slurm_environment
-
     try:
         cfg, args = parse_config(argv)
-        if args.print_config:
-            print(to_toml(cfg), end="")
-            return 0
-        mode = launched_externally(os.environ)
-        if mode is None:
-            _precheck(cfg)
-    except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
+    except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"flatshard train: error: {e}", file=sys.stderr)
         return 2
-    if mode is None:
-        return _launch(cfg, args.resume)
-    if mode == "srun":
-        os.environ.update(slurm_environment(os.environ))
-    return _run_here(cfg, args.resume)
+    if args.print_config:
+        print(to_toml(cfg), end="")
+        return 0
+    return run(cfg, resume=args.resume)
 
 
 def _run_here(cfg: TrainConfig, resume: bool) -> int:

@@ -140,7 +140,7 @@ class PrecisionConfig:
     """Mixed precision: the dtype of the gathered parameters/compute and of gradient reduction."""
 
     param_dtype: str = "auto"
-    """Compute dtype: auto (bf16 on GPUs that support it, fp32 on CPU), fp32, bf16 or fp16.
+    """Compute dtype: auto (bf16, on CPU too, unless the GPU lacks bf16), fp32, bf16 or fp16.
     The sharded master weights and the optimizer stay fp32 either way."""
     reduce_dtype: str = "fp32"
     """Dtype of the gradient reduce-scatter: fp32, bf16 or fp16."""

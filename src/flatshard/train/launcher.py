@@ -13,6 +13,7 @@ Every worker sees torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -20,9 +21,19 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["first_host", "launch_local", "launched_externally", "slurm_environment"]
+__all__ = [
+    "LOCAL_LAUNCH_ENV",
+    "failure_report",
+    "first_host",
+    "launch_local",
+    "launched_externally",
+    "slurm_environment",
+]
 
 _DEFAULT_PORT = 29500
+LOCAL_LAUNCH_ENV = "FLATSHARD_LOCAL_LAUNCH"
+"""Set for workers started by :func:`launch_local`: they write errors to torch elastic's error
+file only, and :func:`failure_report` prints them once (not once per rank)."""
 
 
 def launched_externally(env: Mapping[str, str]) -> str | None:
@@ -89,8 +100,11 @@ def launch_local(
     """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    if cpu:
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if cpu and not os.environ.get("OMP_NUM_THREADS"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ[LOCAL_LAUNCH_ENV] = "1"  # workers leave error reports to this process
+    if "LOGLEVEL" not in os.environ:  # torch's own switch for its launcher logs
+        _quiet_launcher_logs()
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -104,3 +118,40 @@ def launch_local(
     )
     sys.stdout.flush()
     return elastic_launch(config, entrypoint)(*args)
+
+
+def _quiet_launcher_logs() -> None:
+    """The elastic agent logs every worker failure as a long traceback of its own polling code,
+    and every teardown as warnings; :func:`failure_report` says what matters, once."""
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def failure_report(failures: Mapping[int, Any]) -> tuple[str, int]:
+    """The text and exit status for ``ChildFailedError.failures`` (rank -> ProcessFailure).
+
+    Workers stopped by the agent because another one failed (SIGTERM) are not the cause; each
+    distinct error message is shown once with the ranks that raised it.
+    """
+    causes = {r: f for r, f in failures.items() if f.exitcode > 0} or dict(failures)
+    by_message: dict[str, list[int]] = {}
+    for rank, f in sorted(causes.items()):
+        data = f.error_file_data.get("message") if isinstance(f.error_file_data, dict) else None
+        if isinstance(data, dict):  # written by the worker: "Type: message" (+ traceback)
+            text = data.get("message", "")
+            if f.exitcode != 2:  # not a user error: the traceback helps
+                text = data.get("extraInfo", {}).get("py_callstack", text).rstrip()
+        elif f.exitcode < 0:
+            text = f"killed by {f.signal_name()}" + (
+                " (out of memory?)" if f.exitcode == -9 else ""
+            )
+        else:
+            text = f"exited with status {f.exitcode} without an error report"
+        by_message.setdefault(text, []).append(rank)
+    lines = [
+        f"flatshard train: rank {', '.join(map(str, ranks))}: {text}"
+        for text, ranks in by_message.items()
+    ]
+    status = 2 if all(f.exitcode == 2 for f in causes.values()) else 1
+    return "\n".join(lines), status

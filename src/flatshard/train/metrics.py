@@ -120,8 +120,10 @@ class MetricsLog:
     def _progress_bar(first_step: int, total: int) -> Any:
         if not sys.stderr.isatty():  # CI logs: the log lines alone stay readable
             return None
-        from tqdm import tqdm  # imported only when a bar is shown
-
+        try:
+            from tqdm import tqdm  # imported only when a bar is shown
+        except ImportError:  # a core dependency, but a bar is not worth failing a run for
+            return None
         return tqdm(total=total, initial=first_step, unit="step", dynamic_ncols=True, desc="train")
 
     @staticmethod
@@ -163,11 +165,15 @@ class MetricsLog:
         else:
             print(text, flush=True)
 
-    def close(self) -> None:
-        """Flush and close everything (idempotent)."""
+    def end_progress(self) -> None:
+        """Remove the progress bar (the end-of-run report prints below it)."""
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+    def close(self) -> None:
+        """Flush and close everything (idempotent)."""
+        self.end_progress()
         if self._tb is not None:
             self._tb.close()
             self._tb = None

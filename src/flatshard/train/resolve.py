@@ -26,14 +26,15 @@ def default_nproc() -> int:
 
 
 def _auto_param_dtype(cuda: bool) -> str:
-    """bf16 where it is faster and supported by the engine, else fp32.
+    """bf16 where it is faster, else fp32.
 
-    On CPU bf16 matmuls are faster too, but the engine's mixed precision is not there yet for
-    every path, so CPU stays fp32 for now (and fp32 is what the resume-equality test needs).
+    CUDA: when the device supports bf16. CPU: always (bf16 matmuls are ~2.3x fp32 on the CI box;
+    a whole training step of the "small" GPT measured 1.91x, see docs/mixed_precision.md).
+    The fp32 master shards and the fp32 gradient reduction keep the optimizer exact.
     """
-    if cuda and torch.cuda.is_bf16_supported() and hasattr(fs, "MixedPrecision"):
-        return "bf16"
-    return "fp32"
+    if cuda and not torch.cuda.is_bf16_supported():
+        return "fp32"
+    return "bf16"
 
 
 def resolve(cfg: TrainConfig, *, cuda: bool, local_world: int) -> TrainConfig:
@@ -70,12 +71,8 @@ def mixed_precision(cfg: TrainConfig) -> object | None:
     p = cfg.precision
     if p.param_dtype == "fp32" and p.reduce_dtype == "fp32":
         return None
-    if not hasattr(fs, "MixedPrecision"):
-        raise ValueError(
-            f"precision.param_dtype={p.param_dtype!r}, reduce_dtype={p.reduce_dtype!r} need "
-            "fs.MixedPrecision, which this flatshard version does not have yet; use "
-            "--precision.param_dtype fp32 --precision.reduce_dtype fp32"
-        )
     return fs.MixedPrecision(
-        param_dtype=torch_dtype(p.param_dtype), reduce_dtype=torch_dtype(p.reduce_dtype)
+        param_dtype=torch_dtype(p.param_dtype),
+        reduce_dtype=torch_dtype(p.reduce_dtype),
+        output_dtype=torch.float32,  # the loss is computed in fp32
     )

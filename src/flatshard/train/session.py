@@ -6,6 +6,7 @@ local elastic launcher, torchrun, srun).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import traceback
@@ -22,10 +23,16 @@ from flatshard.train.build import (
     build_scheduler,
     init_distributed,
 )
-from flatshard.train.checkpointing import CheckpointManager, rng_state, set_rng_state
+from flatshard.train.checkpointing import (
+    CheckpointManager,
+    refuse_to_mix,
+    rng_state,
+    set_rng_state,
+)
 from flatshard.train.config import TrainConfig
 from flatshard.train.config_io import to_dict, to_toml
 from flatshard.train.data import endless, load_corpus, make_sampler, validation_steps
+from flatshard.train.launcher import LOCAL_LAUNCH_ENV
 from flatshard.train.metrics import MetricsLog, peak_flops, read_metrics
 from flatshard.train.resolve import resolve
 from flatshard.train.trainer import Run, sample_text, train_loop
@@ -61,11 +68,7 @@ def _start_point(cfg: TrainConfig, ckpt: CheckpointManager | None, resume: bool)
             )
         return None
     if not resume:
-        if ckpt.existing():
-            raise ValueError(
-                f"{ckpt.directory} already holds checkpoints (newest {ckpt.existing()[-1].name}); "
-                "pass --resume to continue that run, or choose another --out"
-            )
+        refuse_to_mix(ckpt.directory)
         return None
     latest = ckpt.latest()
     return str(latest) if latest is not None else None
@@ -140,7 +143,13 @@ def restore(run: Run, path: Path) -> None:
     run.scheduler.load_state_dict(extra["scheduler"])
     for group, lr in zip(run.optimizer.param_groups, run.scheduler.get_last_lr(), strict=True):
         group["lr"] = lr  # whatever the optimizer state held: the schedule is the authority
-    run.sampler.load_state_dict(extra["sampler"])  # ValueError if the data set changed
+    changes = _changes(extra.get("config", {}), to_dict(run.cfg))
+    try:
+        run.sampler.load_state_dict(extra["sampler"])  # ValueError if the data set changed
+    except ValueError as e:
+        raise ValueError(
+            f"{e} (settings changed since the checkpoint: {'; '.join(changes) or 'none'})"
+        ) from None
     rng = extra["rng"]
     if rng["world_size"] == run.env.world:
         set_rng_state(rng["states"][run.env.rank], run.env.device)
@@ -148,12 +157,14 @@ def restore(run: Run, path: Path) -> None:
         torch.manual_seed(run.cfg.seed * 1_000_003 + 1 + run.env.rank + 7919 * extra["step"])
     run.step, run.tokens_seen = int(extra["step"]), int(extra["tokens_seen"])
     run.elapsed_s = float(extra["elapsed_s"])
-    run.say(
-        f"resumed from {path} at step {run.step} (epoch {run.sampler.epoch}, "
-        f"{run.sampler.bins_consumed} bins in)"
-    )
-    for change in _changes(extra.get("config", {}), to_dict(run.cfg)):
-        run.say(f"  note: setting changed since the checkpoint: {change}")
+    if run.env.rank == 0:  # before the metrics log exists: plain prints
+        print(
+            f"  resumed from {path} at step {run.step} (epoch {run.sampler.epoch}, "
+            f"{run.sampler.bins_consumed} bins in)",
+            flush=True,
+        )
+        for change in changes:
+            print(f"  note: setting changed since the checkpoint: {change}", flush=True)
 
 
 def _header(run: Run) -> str:
@@ -249,17 +260,31 @@ def run_worker(cfg: TrainConfig, env: Env, resume: bool) -> dict[str, Any] | Non
 
 def _local_env_config(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` resolved for this machine, before the process group exists."""
-    import os
-
     backend = cfg.parallel.backend
     cuda = torch.cuda.is_available() and backend != "gloo"
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     return resolve(cfg, cuda=cuda, local_world=local_world)
 
 
+def _report(e: BaseException, rank: str, user_error: bool) -> None:
+    """Record the error for the launcher (torch elastic's error file) and print it, unless our
+    own local launcher will print it once for all ranks."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+        get_error_handler().record_exception(e)  # must run inside the except block
+    if os.environ.get(LOCAL_LAUNCH_ENV) == "1":
+        return
+    if user_error:
+        if not getattr(e, "reported_by_rank0", False):  # rank 0's broadcast error: print once
+            print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
+    else:
+        print(f"[rank {rank}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+
+
 def worker_main(cfg: TrainConfig, resume: bool) -> dict[str, Any] | None:
-    """Entry point of every worker process. A user error (bad config, data or checkpoint) is
-    one rank-prefixed line and exit status 2; anything else prints its traceback, status 1."""
+    """Entry point of every worker process. A user error (bad config, data or checkpoint)
+    exits with status 2 and its one-line message; anything else with 1 and its traceback."""
     rank = "?"
     try:
         cfg = _local_env_config(cfg)
@@ -270,9 +295,8 @@ def worker_main(cfg: TrainConfig, resume: bool) -> dict[str, Any] | None:
         finally:
             dist.destroy_process_group()
     except USER_ERRORS as e:
-        if not getattr(e, "reported_by_rank0", False):  # rank 0's broadcast error: print once
-            print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
+        _report(e, rank, user_error=True)
         raise SystemExit(2) from None
-    except Exception:
-        print(f"[rank {rank}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+    except Exception as e:
+        _report(e, rank, user_error=False)
         raise SystemExit(1) from None

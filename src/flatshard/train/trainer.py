@@ -67,23 +67,19 @@ def train_step(run: Run, batches: list[PackedBatch]) -> dict[str, float]:
     step's global target tokens. Returns the global loss, real tokens and gradient norm."""
     world = run.env.world
     targets = global_token_count([b.labels for b in batches])  # one all-reduce, all ranks
-    loss_sum = torch.zeros((), device=run.env.device)
-    real_tokens = 0
+    stats = torch.zeros(2, device=run.env.device)  # [loss, real tokens]; no host sync per batch
     for b in batches:  # the same count on every rank
         logits = run.model(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen)  # [R, T, V]
         loss = packed_cross_entropy(logits, b.labels, targets, world_size=world)
         loss.backward()
-        loss_sum += loss.detach()
-        real_tokens += int((b.input_ids != TOKENIZER.pad_id).sum())
+        stats[0] += loss.detach().float()
+        stats[1] += (b.input_ids != TOKENIZER.pad_id).sum()
     clip = run.cfg.optim.grad_clip
     grad_norm = fs.clip_grad_norm_(run.model, max_norm=clip if clip > 0 else float("inf"))
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.scheduler.step()
     # rank r's loss is W * (its token-loss sum) / G, so the global mean is (sum over ranks) / W
-    stats = torch.stack(
-        [loss_sum.float(), torch.tensor(float(real_tokens), device=loss_sum.device)]
-    )
     dist.all_reduce(stats)
     memory = torch.tensor(peak_memory_mb(run.env.device), device=run.env.device)
     dist.all_reduce(memory, op=dist.ReduceOp.MAX)
@@ -191,4 +187,6 @@ def train_loop(run: Run, save: Any) -> None:
                 _plots(run)
         if run.ckpt is not None and run.ckpt.due(step, cfg.steps):
             save(run)
+    if run.log is not None:
+        run.log.end_progress()
     _plots(run)
