@@ -51,6 +51,10 @@ def case_bad_input_errors() -> dict[str, str]:
     out["bad_prefetch"] = _raises(TypeError, fs.shard, TinyGPT(), prefetch=2)
     bad_sd = {"emb.weight": torch.zeros(3)} if dist.get_rank() == 0 else {}
     out["bad_state_dict"] = _raises(ValueError, fs.load_full_state_dict, model, bad_sd)
+    full = fs.full_state_dict(model)
+    if dist.get_rank() == 0:
+        full["blocks.1.mlp.fc.weight"] = torch.zeros(37, 25)
+    out["bad_shape"] = _raises(ValueError, fs.load_full_state_dict, model, full)
     return out
 
 
@@ -69,6 +73,7 @@ def test_bad_input_gives_clear_errors(dist_pools):
         assert "2-D DeviceMesh" in errors["hybrid_1d"] and "replicate" in errors["hybrid_1d"]
         assert "fs.Prefetch" in errors["bad_prefetch"]
         assert "missing" in errors["bad_state_dict"]  # raised on every rank, nothing hangs
+        assert "blocks.1.mlp.fc.weight" in errors["bad_shape"] and "(37, 25)" in errors["bad_shape"]
 
 
 def case_ranks_disagree() -> str:

@@ -72,8 +72,9 @@ def load_full_state_dict(model: nn.Module, sd: dict, *, strict: bool = True) -> 
     state.reshard_all()
     rank = dist.get_rank()
     refs = model.state_dict(keep_vars=True)
-    _agree_or_raise(_check_full_sd(sd, refs, strict) if rank == 0 else None, state)
     where = _fragment_locations(state)
+    shapes = {k: _full_shape(v, where) for k, v in refs.items() if torch.is_tensor(v)}
+    _agree_or_raise(_check_full_sd(sd, shapes, strict) if rank == 0 else None, state)
     first_key: dict[int, str] = {}  # tied parameters: the first of their names is the source
     for key, value in refs.items():
         if id(value) in where:
@@ -100,9 +101,17 @@ def _load_group(group, sd: dict, first_key: dict, rank: int, state: ShardedState
     group.shard.copy_(full[lo : lo + group.shard_numel])
 
 
-def _check_full_sd(sd: dict, refs: dict, strict: bool) -> str | None:
-    missing = [k for k in refs if k not in sd]
-    unexpected = [k for k in sd if k not in refs]
+def _full_shape(value: torch.Tensor, where: dict) -> torch.Size:
+    """The unsharded shape of a state-dict entry (a fragment's parameter, or a buffer)."""
+    if id(value) in where:
+        unit, gi, pi = where[id(value)]
+        return unit.groups[gi].specs[pi].shape
+    return value.shape
+
+
+def _check_full_sd(sd: dict, shapes: dict, strict: bool) -> str | None:
+    missing = [k for k in shapes if k not in sd]
+    unexpected = [k for k in sd if k not in shapes]
     if strict and (missing or unexpected):
         return (
             f"state dict keys do not match the model: missing {missing[:5]}, unexpected "
@@ -111,6 +120,12 @@ def _check_full_sd(sd: dict, refs: dict, strict: bool) -> str | None:
         )
     if missing:
         return f"state dict lacks {missing[:5]}, which flatshard needs to fill every shard"
+    for key, shape in shapes.items():
+        if tuple(sd[key].shape) != tuple(shape):
+            return (
+                f"state dict entry {key!r} has shape {tuple(sd[key].shape)}, the model's is "
+                f"{tuple(shape)}; load a state dict of the same architecture"
+            )
     return None
 
 
