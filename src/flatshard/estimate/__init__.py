@@ -4,8 +4,12 @@ Pure Python (no torch needed for the arithmetic); validated against flatshard's 
 (:mod:`flatshard.estimate.measure`). See ``docs/estimate.md``.
 """
 
-from .memory import Activations, MemoryEstimate, Phase, activations, estimate_memory
-from .spec import DEVICES, STRATEGIES, Device, Layout, ModelSpec, Precision, Workload
+from .activations import Activations, activations
+from .cli import estimate, main
+from .devices import DEVICES, Device
+from .memory import MemoryEstimate, Phase, estimate_memory
+from .spec import STRATEGIES, Layout, ModelSpec, Precision, Workload
+from .steptime import StepTime, estimate_time
 
 __all__ = [
     "DEVICES",
@@ -17,7 +21,11 @@ __all__ = [
     "ModelSpec",
     "Phase",
     "Precision",
+    "StepTime",
     "Workload",
     "activations",
+    "estimate",
     "estimate_memory",
+    "estimate_time",
+    "main",
 ]

@@ -4,8 +4,8 @@ On CPU there is no allocator counter, so memory is counted as *live tensor bytes
 
 - static (exact, from the tensors): sharded parameters, optimizer state, buffers;
 - gradients: the distinct storages behind ``.grad`` after backward;
-- activations: the distinct storages saved for backward at the end of forward
-  (``torch.autograd.graph.saved_tensors_hooks``), parameters and gathered buffers excluded;
+- activations: the bytes allocated during the step and still alive when forward returns
+  (what autograd saved, checkpointed blocks' inputs, the batch), gathered buffers excluded;
 - gathered: the bytes of every unit's full buffer, sampled at every op;
 - peak: static + the peak over ops of (bytes allocated during the step and still alive + gathered).
   "Allocated and alive" is tracked by a ``TorchDispatchMode`` that sees every op's outputs and
@@ -19,13 +19,15 @@ import os
 import tempfile
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["LiveBytes", "measure_step", "spawn_measure"]
+__all__ = ["LiveBytes", "build", "measure_step", "spawn_measure"]
 
 
 class LiveBytes(TorchDispatchMode):
@@ -78,77 +80,70 @@ def _full_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
     return [g.full for unit in state.units for g in unit.groups if g.full is not g.shard]
 
 
-def measure_step(
-    model_name: str, *, batch: int, seq: int, strategy: str = "full_shard", seed: int = 0
-) -> dict[str, int]:
-    """Shard the reference GPT preset ``model_name`` (one unit per ``Block``) with AdamW, run one
-    warm-up step, then measure one step. Call on every rank; returns this rank's bytes."""
+def build(
+    model_name: str,
+    *,
+    strategy: str = "full_shard",
+    act_ckpt: bool = False,
+    prefetch: tuple[int, str] = (1, "pre"),
+    precision: str = "fp32",
+    reduce: str | None = None,
+    seed: int = 0,
+) -> tuple[nn.Module, torch.optim.Optimizer, int]:
+    """The reference GPT preset ``model_name`` sharded one unit per ``Block`` (optionally
+    ``fs.checkpoint_activations`` on every block; ``precision="bf16"``:
+    ``fs.MixedPrecision(param_dtype=bf16, reduce_dtype=reduce or bf16)``), its AdamW, its vocab."""
     import flatshard as fs
     from flatshard.models import GPT, Block, GPTConfig
 
     torch.manual_seed(seed)
     cfg = GPTConfig.preset(model_name)
-    model = fs.shard(GPT(cfg), policy=fs.wrap.by_type(Block), strategy=strategy)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    mp = None
+    if precision != "fp32":
+        mp = fs.MixedPrecision(
+            param_dtype=dtypes[precision], reduce_dtype=dtypes[reduce or precision]
+        )
+    model = fs.shard(GPT(cfg), policy=fs.wrap.by_type(Block), strategy=strategy,
+                     prefetch=fs.Prefetch(*prefetch), mixed_precision=mp)  # fmt: skip
+    if act_ckpt:
+        fs.checkpoint_activations(model, fs.wrap.by_type(Block))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3), cfg.vocab_size
+
+
+def measure_step(
+    model_name: str, *, batch: int, seq: int, seed: int = 0, **options: Any
+) -> dict[str, int]:
+    """:func:`build` (``options``), run one warm-up step, then measure one step of ``batch``
+    random sequences of ``seq`` tokens. Call on every rank; returns this rank's bytes."""
+    model, opt, vocab = build(model_name, seed=seed, **options)
     fulls = _full_buffers(model)
     gen = torch.Generator().manual_seed(seed + 1 + dist.get_rank())
+    seen: dict[str, int] = {}
 
-    def step(saved: dict[int, int] | None = None) -> int:
-        x = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=gen)  # [B, T+1]
-        hooks = _saved_hooks(saved, fulls) if saved is not None else _null()
-        with hooks:
-            loss = model(x[:, :-1], labels=x[:, 1:])
+    def step(after_forward: Callable[[], None] = lambda: None) -> None:
+        x = torch.randint(0, vocab, (batch, seq + 1), generator=gen)  # [B, T+1]
+        loss = model(x[:, :-1], labels=x[:, 1:])
+        after_forward()
         loss.backward()
-        grads = _bytes(p.grad for p in model.parameters())
+        seen["gradients"] = _bytes(p.grad for p in model.parameters())
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return grads
 
     step()
     state_tensors = [v for s in opt.state.values() for v in s.values()]
-    static = {
-        "parameters": _bytes(model.parameters()),
-        "optimizer": _bytes(state_tensors),
-        "buffers": _bytes(model.buffers()),
-    }
+    static = {"parameters": _bytes(model.parameters()), "optimizer": _bytes(state_tensors),
+              "buffers": _bytes(model.buffers())}  # fmt: skip
     static_ptrs = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *state_tensors]}
-
-    def gathered() -> int:
-        return sum(f.untyped_storage().nbytes() for f in fulls)
-
-    def exclude() -> set[int]:
-        return static_ptrs | {f.untyped_storage().data_ptr() for f in fulls}
-
-    saved: dict[int, int] = {}
-    tracker = LiveBytes(exclude, gathered)
+    tracker = LiveBytes(
+        exclude=lambda: static_ptrs | {f.untyped_storage().data_ptr() for f in fulls},
+        extra=lambda: sum(f.untyped_storage().nbytes() for f in fulls),  # gathered now
+    )
     with tracker:
-        grads = step(saved)
-    return {
-        **static,
-        "gradients": grads,
-        "activations": sum(saved.values()),
-        "gathered_peak": tracker.peak_extra,
-        "peak": sum(static.values()) + tracker.peak,
-    }
-
-
-def _null():
-    import contextlib
-
-    return contextlib.nullcontext()
-
-
-def _saved_hooks(saved: dict[int, int], fulls: list[torch.Tensor]):
-    """Record the distinct storages autograd saves, except parameters (gathered buffers)."""
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key and key not in {f.untyped_storage().data_ptr() for f in fulls}:
-            saved[key] = storage.nbytes()
-        return t
-
-    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        step(lambda: seen.__setitem__("activations", tracker.current))
+    peak = sum(static.values()) + tracker.peak
+    return {**static, "gradients": seen["gradients"], "activations": seen["activations"],
+            "gathered_peak": tracker.peak_extra, "peak": peak}  # fmt: skip
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, kwargs: dict) -> None:

@@ -1,76 +1,31 @@
-"""Per-rank memory: activation formulas and a phase-by-phase replay of flatshard's schedule.
+"""Per-rank memory: a phase-by-phase replay of flatshard's schedule for one training step.
 
 [Note: the replay]
-The step is replayed at the moments where memory can peak (end of each block's forward, the
-loss, its backward, the MLP backward and the end of each block's backward, the root's backward,
-the optimizer step). At each moment the live bytes are summed by category from what flatshard
-holds then: which units are gathered (root always; the current unit and the prefetched next one
-under full_shard; everything not yet reduced under shard_grad_op), which saved activations are
-still alive, the gradient of the unit being reduced (per-parameter autograd gradients + the
-flat copy), up to ``max_inflight_reduces`` flat gradients in flight, and the sharded gradients
-produced so far. Steady state: the optimizer state exists, ``.grad`` was set to ``None``.
+The step is replayed at the moments where memory can peak (each block's forward, the loss, its
+backward, each block's MLP backward and post-backward, the root's post-backward, the end of
+backward, the optimizer step). At each moment the live bytes are summed by category from what
+flatshard holds then: gathered units (the root and the last block from their forward to their
+backward; under full_shard the current block and those ``fs.Prefetch`` gathers ahead, whose
+low-precision send copies live until waited on; under shard_grad_op and no_shard every block not
+yet reduced), the saved
+activations still alive, the gradient of the unit being reduced (per-parameter autograd
+gradients, their casts, the flat copy), up to ``max_inflight_reduces`` flat gradients in flight,
+and the gradient shards produced so far (in the reduce dtype until the end of backward casts
+them into the fp32 ``.grad``). Steady state: the optimizer state exists and ``.grad`` was set
+to ``None`` after the previous step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from .activations import FP32, Activations, activations
 from .spec import Layout, ModelSpec, Workload
 
-__all__ = ["Activations", "MemoryEstimate", "Phase", "activations", "estimate_memory"]
+__all__ = ["MemoryEstimate", "Phase", "estimate_memory"]
 
-INT64 = 8
-FP32 = 4
-
-
-@dataclass(frozen=True)
-class Activations:
-    """Bytes saved for backward (and the transients of backward) for one micro-batch."""
-
-    block: int
-    """One block without checkpointing."""
-    block_input: int
-    """The block's input, all a checkpointed block keeps."""
-    head: int
-    """Final norm, ``lm_head`` input and the fp32 log-softmax."""
-    fixed: int
-    """Token ids and labels (int64) and the RoPE cos/sin of this batch."""
-    mlp_workspace: int
-    """Extra bytes live in a block's MLP backward beyond its saved tensors."""
-    grad_input: int
-    """The gradient flowing between blocks."""
-    logits: int
-    """The logits (compute dtype), alive while the loss is computed."""
-    logits_grads: int
-    """Gradients of the log-softmax and of the logits during the loss backward."""
-
-
-def activations(spec: ModelSpec, layout: Layout, work: Workload) -> Activations:
-    """Saved-tensor bytes of the reference GPT block, counted tensor by tensor (see docs).
-
-    Per token and block, in compute-dtype elements: each norm keeps its input, ``x*rstd``
-    (composite RMSNorm only) and its output; attention keeps q, k, v and its output; SwiGLU keeps
-    gate, up, silu(gate) and their product (GELU: up and gelu(up)). fp32 extras: one rstd per
-    norm and one log-sum-exp per head. ``math`` attention also keeps the T x T probabilities.
-    """
-    n, c, f, ab = work.tokens, spec.hidden, spec.ffn, layout.precision.act
-    norm = (2 if work.fused_norm else 3) * c
-    mlp = (4 if spec.mlp == "swiglu" else 2) * f
-    block = n * (ab * (2 * norm + 2 * c + 2 * spec.kv_width + mlp) + FP32 * (spec.heads + 2))
-    if work.attention == "math":
-        block += ab * work.batch * spec.heads * work.seq * work.seq
-    head_dim = c // spec.heads
-    logits = n * spec.vocab * ab + (n * spec.vocab * FP32 if ab != FP32 else 0)  # + fp32 copy
-    return Activations(
-        block=block,
-        block_input=n * c * ab,
-        head=n * (ab * norm + FP32 + FP32 * spec.vocab),
-        fixed=2 * n * INT64 + 2 * work.seq * (head_dim // 2) * FP32,
-        mlp_workspace=n * ab * (c + (2 if spec.mlp == "swiglu" else 1) * f),
-        grad_input=n * c * ab,
-        logits=logits,
-        logits_grads=2 * n * spec.vocab * FP32,
-    )
+Parts = dict[str, int]
 
 
 @dataclass(frozen=True)
@@ -78,7 +33,7 @@ class Phase:
     """Live bytes by category at one moment of the step."""
 
     name: str
-    parts: dict[str, int]
+    parts: Parts
 
     @property
     def total(self) -> int:
@@ -92,7 +47,7 @@ class MemoryEstimate:
     parameters: int
     """Sharded parameter storage (fp32 master)."""
     gradients: int
-    """Sharded gradients at the end of backward."""
+    """``.grad`` of this rank's fragments at the end of backward."""
     optimizer: int
     """Optimizer state of this rank's shard (plus AdamW's 4-byte ``step`` per tensor)."""
     buffers: int
@@ -100,7 +55,7 @@ class MemoryEstimate:
     gathered_peak: int
     """Most bytes of gathered (full) unit buffers at once."""
     activations: int
-    """Saved for backward at the end of forward (blocks, head, ids)."""
+    """Alive at the end of forward (saved tensors, checkpointed inputs, ids)."""
     peak: int
     """Largest total over the replayed phases."""
     peak_phase: str
@@ -112,149 +67,201 @@ class MemoryEstimate:
         return self.parameters + self.gradients + self.optimizer
 
     @property
-    def peak_parts(self) -> dict[str, int]:
+    def peak_parts(self) -> Parts:
         return next(p.parts for p in self.phases if p.name == self.peak_phase)
 
 
 @dataclass(frozen=True)
-class _Units:
-    """Element counts of the root and of one block unit for a layout."""
+class _Step:
+    """Element counts of the root and block units for a layout, and the byte widths."""
 
-    root: int
-    block: int
-    pad_root: int
-    pad_block: int
-    shard_root: int
-    shard_block: int
+    spec: ModelSpec
+    layout: Layout
+    act: Activations
+    kept: int  # bytes a finished block keeps until its backward
 
-    @classmethod
-    def of(cls, spec: ModelSpec, layout: Layout) -> _Units:
-        w = layout.shard_world
-        pr, pb = layout.padded(spec.root_params), layout.padded(spec.block_params)
-        return cls(spec.root_params, spec.block_params, pr, pb, pr // w, pb // w)
+    @property
+    def L(self) -> int:
+        return self.spec.layers
 
+    def pad(self, root: bool) -> int:
+        return self.layout.padded(self.spec.root_params if root else self.spec.block_params)
 
-def _static(spec: ModelSpec, layout: Layout, u: _Units) -> dict[str, int]:
-    """What every phase holds: sharded parameters, optimizer state, buffers."""
-    used = min(u.root, u.shard_root) + spec.layers * min(u.block, u.shard_block)
-    steps = spec.root_tensors + spec.layers * spec.block_tensors
-    step_bytes = FP32 * steps if layout.optimizer == "adamw" else 0
-    return {
-        "parameters": (u.shard_root + spec.layers * u.shard_block) * layout.precision.master,
-        "optimizer": used * layout.optimizer_bytes + step_bytes,
-        "buffers": spec.max_seq * (spec.hidden // spec.heads) * FP32,
-    }
+    def shard(self, root: bool) -> int:
+        return self.pad(root) // self.layout.shard_world
+
+    @property
+    def shards(self) -> int:
+        return self.shard(True) + self.L * self.shard(False)
+
+    @property
+    def used(self) -> int:
+        """Parameter elements in rank 0's shards (padding excluded)."""
+        s = self.spec
+        return min(s.root_params, self.shard(True)) + self.L * min(
+            s.block_params, self.shard(False)
+        )
+
+    @property
+    def sharded(self) -> bool:
+        return self.layout.shard_world > 1
+
+    @property
+    def cast_grads(self) -> bool:
+        """Gradients are reduced in another dtype than the fp32 ``.grad`` they end up in."""
+        return self.layout.precision.flat != self.layout.precision.grad
+
+    def gathered(self, blocks: int, ahead: int = 0) -> Parts:
+        """The root and ``blocks`` gathered block units; ``ahead`` of them still in flight keep
+        their low-precision send copy of the shard."""
+        p = self.layout.precision
+        if not self.sharded and p.param == p.master:
+            return {"gathered": 0}  # no_shard in fp32: the parameters are used in place
+        sends = ahead * self.shard(False) * p.param if self.sharded and p.param != p.master else 0
+        return {"gathered": (self.pad(True) + blocks * self.pad(False)) * p.param,
+                "gather_inputs": sends}  # fmt: skip
+
+    def reducing(self, done: int, root: bool) -> Parts:
+        """Post-backward of a unit after ``done`` blocks were reduced: per-parameter gradients
+        are cast (if needed) and concatenated (the casts are freed before the new gradient
+        shard is allocated), the flat gradient launched, the oldest reduction waited for beyond
+        ``max_inflight_reduces``. no_shard: the flat gradient is the gradient shard."""
+        p, numel = self.layout.precision, self.spec.root_params if root else self.spec.block_params
+        casts = numel * p.flat if p.flat != p.param else 0
+        if not self.sharded:
+            return {"gradients": (done * self.pad(False) + self.pad(root)) * p.flat,
+                    "flat_grads": casts}  # fmt: skip
+        older = min(self.layout.max_inflight_reduces, done)
+        flats = (older * self.pad(False) + self.pad(root)) * p.flat
+        new = self.shard(root) * p.flat  # the larger of the two is the moment's peak
+        return {"gradients": done * self.shard(False) * p.flat + (new if new >= casts else 0),
+                "flat_grads": flats + (casts if casts > new else 0)}  # fmt: skip
+
+    @property
+    def keep_all(self) -> bool:
+        """Blocks stay gathered from their forward to their backward (no reshard)."""
+        return self.layout.strategy in ("shard_grad_op", "no_shard")
+
+    def final_grads(self) -> int:
+        """``.grad`` after backward: views of the gradient shards, or fp32 copies of the
+        fragments (no padding) when they were reduced in another dtype."""
+        p = self.layout.precision
+        return self.used * p.grad if self.cast_grads else self.shards * p.grad
 
 
 def estimate_memory(spec: ModelSpec, layout: Layout, work: Workload) -> MemoryEstimate:
     """Replay one training step (see [Note: the replay]) and report the components and peak."""
-    u = _Units.of(spec, layout)
     act = activations(spec, layout, work)
-    static = _static(spec, layout, u)
-    phases = [Phase(name, {**static, **parts}) for name, parts in _schedule(spec, layout, u, act, work)]
+    step = _Step(spec, layout, act, act.block_input if work.act_ckpt else act.block)
+    static = _static(step)
+    parts = [*_forward(step, work), *_backward(step), *_finish(step)]
+    phases = tuple(Phase(name, {**static, **part}) for name, part in parts)
     peak = max(phases, key=lambda p: p.total)
-    saved = spec.layers * _kept(act, work) + act.head + act.fixed
     return MemoryEstimate(
         parameters=static["parameters"],
-        gradients=(u.shard_root + spec.layers * u.shard_block) * _grad_bytes(layout),
+        gradients=step.final_grads(),
         optimizer=static["optimizer"],
         buffers=static["buffers"],
         gathered_peak=max(p.parts.get("gathered", 0) for p in phases),
-        activations=saved,
+        activations=spec.layers * step.kept + act.head + act.fixed,
         peak=peak.total,
         peak_phase=peak.name,
-        phases=tuple(phases),
+        phases=phases,
     )
 
 
-def _kept(act: Activations, work: Workload) -> int:
-    """Bytes a finished block keeps until its backward."""
-    return act.block_input if work.act_ckpt else act.block
-
-
-def _grad_bytes(layout: Layout) -> int:
-    # no_shard: the all-reduced flat gradient itself is the gradient.
-    return layout.precision.grad if layout.shard_world > 1 else layout.precision.flat
-
-
-def _schedule(spec: ModelSpec, layout: Layout, u: _Units, act: Activations, work: Workload):
-    """Yield ``(phase name, parts)`` in step order (parts exclude the static ones)."""
-    L, p, kept = spec.layers, layout.precision, _kept(act, work)
-    keep_all = layout.strategy == "shard_grad_op"  # no reshard after forward
-    for i in range(L):
-        blocks = min(i + 2, L) if keep_all else min(2, L - i)  # + the prefetched next block
-        yield f"forward block {i}", {
-            "gathered": _gathered(layout, u, blocks),
-            "activations": i * kept + act.block + act.fixed,
-        }
-    saved = L * kept + act.head + act.fixed
-    yield "loss", {"gathered": _gathered(layout, u, L if keep_all else 0),
-                   "activations": saved, "workspace": act.logits}  # fmt: skip
-    yield "loss backward", {"gathered": _gathered(layout, u, L if keep_all else 1),
-                            "activations": saved, "workspace": act.logits_grads}  # fmt: skip
-    yield from _backward_blocks(spec, layout, u, act, work)
-    yield "backward root", {
-        "gathered": _gathered(layout, u, 0),
-        "activations": act.fixed,
-        "unit_grads": (2 * spec.vocab * spec.hidden + spec.hidden) * p.param,
-        **_reducing(layout, u, L, u.pad_root, u.shard_root),
+def _static(step: _Step) -> Parts:
+    """What every phase holds: sharded parameters, optimizer state, buffers."""
+    spec, layout = step.spec, step.layout
+    tensors = spec.root_tensors + spec.layers * spec.block_tensors
+    step_bytes = FP32 * tensors if layout.optimizer == "adamw" else 0
+    return {
+        "parameters": step.shards * layout.precision.master,
+        "optimizer": step.used * layout.optimizer_bytes + step_bytes,
+        "buffers": spec.max_seq * (spec.hidden // spec.heads) * FP32,
     }
-    shard = u.shard_root + L * u.shard_block
-    temp = shard * FP32 if layout.optimizer == "adamw" else 0  # foreach AdamW's sqrt(v)
-    yield "optimizer step", {"gradients": shard * _grad_bytes(layout), "optimizer_temp": temp}
 
 
-def _backward_blocks(spec: ModelSpec, layout: Layout, u: _Units, act: Activations, work: Workload):
-    """Two moments per block, last block first: its MLP backward and its post-backward."""
-    L, p, kept = spec.layers, layout.precision, _kept(act, work)
+def _forward(step: _Step, work: Workload) -> Iterator[tuple[str, Parts]]:
+    """Each block's forward (current + prefetched units), then the loss."""
+    L, act, ahead = step.L, step.act, step.layout.prefetch_forward
+    keep_all = step.keep_all
+    current = act.block_input + act.mlp_workspace if work.act_ckpt else act.block  # rough if ckpt
+    for i in range(L):
+        early = min(ahead, L - 1 - i)
+        blocks = i + 1 + early if keep_all else 1 + early
+        acts = i * step.kept + current + act.fixed
+        yield f"forward block {i}", {**step.gathered(blocks, early), "activations": acts}
+    saved = L * step.kept + act.head + act.fixed
+    # The last block of the forward stays gathered into the backward (its backward comes first).
+    last = L if keep_all else 1
+    yield "loss", {**step.gathered(last), "activations": saved, "workspace": act.logits}
+    yield "loss backward", {**step.gathered(last), "activations": saved,
+                            "workspace": act.logits_grads}  # fmt: skip
+
+
+def _backward(step: _Step) -> Iterator[tuple[str, Parts]]:
+    """Two moments per block, last block first (its MLP backward, its post-backward), then
+    the root's post-backward."""
+    spec, p, act, L = step.spec, step.layout.precision, step.act, step.L
     held_root = (spec.vocab * spec.hidden + spec.hidden) * p.param  # lm_head + norm grads
+    keep_all = step.keep_all
     for i in reversed(range(L)):
         done = L - 1 - i  # blocks already reduced
-        blocks = i + 1 if layout.strategy == "shard_grad_op" else min(2, i + 1)
-        common = {"gathered": _gathered(layout, u, blocks)}
-        inflight = min(layout.max_inflight_reduces, done) * _inflight_block(layout, u)
-        yield f"backward block {i} mlp", {
-            **common,
-            "gradients": done * u.shard_block * _grad_bytes(layout),
-            "activations": i * kept + act.block + act.fixed,
-            "workspace": act.mlp_workspace,
-            "unit_grads": held_root + spec.hidden * spec.ffn * p.param,  # + down_proj's
-            "flat_grads": inflight,
-        }
-        yield f"backward block {i} end", {
-            **common,
-            "activations": i * kept + act.fixed,
-            "workspace": act.grad_input,
-            "unit_grads": held_root + u.block * p.param,
-            **_reducing(layout, u, done, u.pad_block, u.shard_block),
-        }
+        early = int(step.layout.prefetch_backward == "pre" and i > 0 and not keep_all)
+        gathered = step.gathered(i + 1 if keep_all else 1 + early, early)
+        older = min(step.layout.max_inflight_reduces, done) if step.sharded else 0
+        yield (
+            f"backward block {i} mlp",
+            {
+                **gathered,
+                "gradients": done * step.shard(False) * p.flat,
+                "activations": i * step.kept + act.block + act.fixed,
+                "workspace": act.mlp_workspace,
+                "unit_grads": held_root + spec.hidden * spec.ffn * p.param,  # + down_proj's
+                "flat_grads": older * step.pad(False) * p.flat,
+            },
+        )
+        yield (
+            f"backward block {i} end",
+            {
+                **gathered,
+                "activations": i * step.kept + act.fixed,
+                "workspace": act.grad_input,
+                "unit_grads": held_root + spec.block_params * p.param,
+                **step.reducing(done, root=False),
+            },
+        )
+    root_grads = (2 * spec.vocab * spec.hidden + spec.hidden) * p.param  # head + embedding
+    yield "backward root", {**step.gathered(0), "activations": act.fixed,
+                            "unit_grads": root_grads, **step.reducing(L, root=True)}  # fmt: skip
 
 
-def _reducing(layout: Layout, u: _Units, done: int, pad: int, shard: int) -> dict[str, int]:
-    """Post-backward of a unit after ``done`` block units: its flat gradient is built and
-    launched, its gradient shard allocated, and the oldest reduction waited for if more than
-    ``max_inflight_reduces`` are in flight (Gloo then makes its temporary copy)."""
-    p, grad = layout.precision, _grad_bytes(layout)
-    if layout.shard_world == 1:  # no_shard: the flat gradient becomes the gradient
-        return {"gradients": done * u.shard_block * grad + pad * p.flat}
-    older = min(layout.max_inflight_reduces, done)
-    waits = older + 1 > layout.max_inflight_reduces
-    temp = u.pad_block * p.flat if waits and layout.backend == "gloo" else 0
-    return {
-        "gradients": done * u.shard_block * grad + shard * grad,
-        "flat_grads": older * u.pad_block * p.flat + pad * p.flat + temp,
-    }
+def _finish(step: _Step) -> Iterator[tuple[str, Parts]]:
+    """End of backward (gradient shards cast into ``.grad``) and the optimizer step."""
+    p = step.layout.precision
+    if step.cast_grads:
+        yield "end of backward", {"gradients": step.shards * p.flat + step.final_grads()}
+    yield "optimizer step", {"gradients": step.final_grads(), "optimizer_temp": _opt_temp(step)}
 
 
-def _gathered(layout: Layout, u: _Units, blocks: int) -> int:
-    """Bytes of gathered buffers: the root (always gathered from its forward to its backward)
-    and ``blocks`` block units."""
-    p = layout.precision
-    if layout.shard_world == 1 and p.param == p.master:
-        return 0  # no_shard in fp32: the parameters are used in place
-    return (u.pad_root + u.pad_block * blocks) * p.param
+def _opt_temp(step: _Step) -> int:
+    """AdamW's temporary sqrt(v)/bias-correction: foreach for the whole shard at once, the
+    for-loop version two tensors of the largest fragment of rank 0; SGD none."""
+    layout = step.layout
+    if layout.optimizer != "adamw" or layout.optimizer_impl == "fused":
+        return 0
+    if layout.optimizer_impl == "foreach":
+        return step.shards * FP32
+    largest = max(_largest_fragment(step.spec.root_sizes, step.shard(True)),
+                  _largest_fragment(step.spec.block_sizes, step.shard(False)))  # fmt: skip
+    return 2 * largest * FP32
 
 
-def _inflight_block(layout: Layout, u: _Units) -> int:
-    """Extra bytes of one block's flat gradient in flight (none for no_shard: it is the grad)."""
-    return u.pad_block * layout.precision.flat if layout.shard_world > 1 else 0
+def _largest_fragment(sizes: list[int], shard: int) -> int:
+    """Largest piece of one parameter among the first ``shard`` flat elements (rank 0)."""
+    best, offset = 0, 0
+    for n in sizes:
+        best = max(best, min(offset + n, shard) - min(offset, shard))
+        offset += n
+    return best

@@ -1,4 +1,4 @@
-"""What the estimator is asked about: the model, the layout, the workload and the hardware.
+"""What the estimator is asked about: the model, the layout and the workload.
 
 Frozen dataclasses, validated on construction, no torch needed. Sizes are element counts;
 byte widths come from :class:`Precision`.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["DEVICES", "STRATEGIES", "Device", "Layout", "ModelSpec", "Precision", "Workload"]
+__all__ = ["STRATEGIES", "Layout", "ModelSpec", "Precision", "Workload"]
 
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
 OPTIMIZER_BYTES = {"adamw": 8, "sgdm": 4, "sgd": 0}  # fp32 state bytes per parameter element
@@ -45,6 +45,8 @@ class ModelSpec:
     """``"swiglu"`` (gate, up, down) or ``"gelu"`` (up, down)."""
     max_seq: int = 2048
     """Length of the RoPE tables (fp32 buffers, replicated on every rank)."""
+    norm: str = "rmsnorm"
+    """``"rmsnorm"`` or ``"layernorm"`` (weight only, no bias, as in ``GPTConfig``)."""
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "kv_heads", "vocab", "ffn", "max_seq"):
@@ -54,8 +56,10 @@ class ModelSpec:
                 f"heads={self.heads} must divide hidden={self.hidden} and kv_heads="
                 f"{self.kv_heads} must divide heads; check --heads/--kv-heads"
             )
-        if self.mlp not in ("swiglu", "gelu"):
-            raise ValueError(f"mlp={self.mlp!r} is not supported; use 'swiglu' or 'gelu'")
+        if self.mlp not in ("swiglu", "gelu") or self.norm not in ("rmsnorm", "layernorm"):
+            raise ValueError(
+                f"mlp={self.mlp!r}, norm={self.norm!r}: use swiglu/gelu and rmsnorm/layernorm"
+            )
 
     @property
     def kv_width(self) -> int:
@@ -65,23 +69,35 @@ class ModelSpec:
     @property
     def block_params(self) -> int:
         """Parameters of one block: q, k, v, o projections, the MLP and two norm weights."""
-        c = self.hidden
-        mats = 3 if self.mlp == "swiglu" else 2
-        return 2 * c * c + 2 * c * self.kv_width + mats * c * self.ffn + 2 * c
+        return sum(self.block_sizes)
+
+    @property
+    def block_sizes(self) -> list[int]:
+        """Parameter sizes of one block in registration order (= its flat layout)."""
+        c, kv, f = self.hidden, self.kv_width, self.ffn
+        mlp = [c * f] * (3 if self.mlp == "swiglu" else 2)
+        return [c, c * c, c * kv, c * kv, c * c, c, *mlp]
+
+    @property
+    def root_sizes(self) -> list[int]:
+        """Root unit parameter sizes in order: embedding, final norm, (untied) head."""
+        return [self.vocab * self.hidden, self.hidden] + [self.vocab * self.hidden] * (
+            not self.tied
+        )
 
     @property
     def block_tensors(self) -> int:
         """Parameter tensors per block (each gets a 4-byte AdamW ``step``)."""
-        return 9 if self.mlp == "swiglu" else 8
+        return len(self.block_sizes)
 
     @property
     def root_params(self) -> int:
         """Embedding, final norm weight and (untied) output head."""
-        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+        return sum(self.root_sizes)
 
     @property
     def root_tensors(self) -> int:
-        return 2 if self.tied else 3
+        return len(self.root_sizes)
 
     @property
     def params(self) -> int:
@@ -102,7 +118,7 @@ class ModelSpec:
             raise ValueError(f"--model {name!r} is unknown; choose one of {', '.join(PRESETS)}")
         c = PRESETS[name]
         return cls(name, c.n_layers, c.d_model, c.n_heads, c.kv_heads, c.vocab_size, c.ffn_dim,
-                   c.tie_embeddings, c.mlp, c.max_seq_len)  # fmt: skip
+                   c.tie_embeddings, c.mlp, c.max_seq_len, c.norm)  # fmt: skip
 
     @classmethod
     def from_sizes(
@@ -143,22 +159,23 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class Precision:
-    """Byte widths. ``fp32``: everything fp32. ``bf16``: mixed precision with sharded fp32 master
-    weights, bf16 gathered parameters and activations, ``reduce`` bytes on the wire."""
+    """Byte widths. ``fp32``: everything fp32. ``bf16``: ``fs.MixedPrecision(param_dtype=bf16)``
+    — sharded fp32 master weights and fp32 ``.grad``, bf16 gathered parameters, activations and
+    (by default) gradient reduction."""
 
     name: str = "fp32"
-    """``"fp32"`` or ``"bf16"``."""
-    reduce: str = "fp32"
-    """dtype of the flat gradients that are reduce-scattered: ``"fp32"`` or ``"bf16"``."""
+    """Compute dtype: ``"fp32"`` or ``"bf16"``."""
+    reduce: str | None = None
+    """dtype of the flat gradients that are reduced: ``"fp32"``, ``"bf16"``, or ``None`` for
+    the compute dtype (flatshard's default)."""
 
     def __post_init__(self) -> None:
-        for field_, value in (("dtype", self.name), ("reduce dtype", self.reduce)):
+        for field_, value in (("dtype", self.name), ("reduce dtype", self.reduce or "fp32")):
             if value not in ("fp32", "bf16"):
                 raise ValueError(f"{field_} {value!r} is not supported; use fp32 or bf16")
 
     master = 4  # sharded parameter storage (the optimizer's copy)
-    grad = 4  # sharded gradient (what the optimizer reads)
-    logits = 4  # the loss is computed in fp32 (GPT.loss)
+    grad = 4  # .grad of the fragments (what the optimizer reads)
 
     @property
     def param(self) -> int:
@@ -171,7 +188,8 @@ class Precision:
 
     @property
     def flat(self) -> int:
-        return 4 if self.reduce == "fp32" else 2
+        """Flat gradient and gradient-shard bytes (the reduce dtype)."""
+        return 4 if (self.reduce or self.name) == "fp32" else 2
 
 
 @dataclass(frozen=True)
@@ -188,23 +206,36 @@ class Layout:
     """Byte widths."""
     optimizer: str = "adamw"
     """``adamw`` (m, v: 8 bytes/param), ``sgdm`` (momentum: 4), ``sgd`` (0)."""
+    optimizer_impl: str = "foreach"
+    """torch.optim implementation: ``foreach`` (GPU default; AdamW's sqrt(v) for the whole
+    shard at once), ``forloop`` (CPU default; per tensor) or ``fused`` (no temporary)."""
     max_inflight_reduces: int = 2
     """flatshard waits for the oldest reduce-scatter beyond this many (engine default 2)."""
+    prefetch_forward: int = 1
+    """Units gathered ahead in forward (``fs.Prefetch(forward=...)``); each holds memory."""
+    prefetch_backward: str = "pre"
+    """``fs.Prefetch(backward=...)``: ``pre`` gathers the next unit as a unit's backward starts
+    (two block units gathered), ``post``/``none`` after it finished (one)."""
     backend: str = "nccl"
-    """``nccl`` or ``gloo``. Gloo's reduce-scatter copies its whole input into a temporary of
-    the same size when it is waited on; NCCL reduces in place."""
+    """``nccl`` or ``gloo``. On Gloo flatshard reduce-scatters as an in-place all-reduce of the
+    flat gradient (faster there), which moves twice the bus bytes."""
 
     def __post_init__(self) -> None:
         _positive("world", self.world)
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy={self.strategy!r} is unknown; use one of {STRATEGIES}")
+        if self.prefetch_forward < 0 or self.prefetch_backward not in ("pre", "post", "none"):
+            raise ValueError(
+                f"prefetch_forward={self.prefetch_forward} must be >= 0 and prefetch_backward="
+                f"{self.prefetch_backward!r} one of 'pre', 'post', 'none'"
+            )
+        if self.optimizer_impl not in ("foreach", "forloop", "fused"):
+            raise ValueError(f"optimizer_impl={self.optimizer_impl!r}; use foreach/forloop/fused")
         if self.backend not in ("nccl", "gloo"):
             raise ValueError(f"backend={self.backend!r}; use 'nccl' or 'gloo'")
         if self.optimizer not in OPTIMIZER_BYTES:
             raise ValueError(f"optimizer={self.optimizer!r}; use one of {list(OPTIMIZER_BYTES)}")
-        if self.shard_size is not None and (
-            self.shard_size <= 0 or self.world % self.shard_size
-        ):
+        if self.shard_size is not None and (self.shard_size <= 0 or self.world % self.shard_size):
             raise ValueError(
                 f"shard_size={self.shard_size} must divide world={self.world} (hybrid_shard)"
             )
@@ -241,7 +272,8 @@ class Workload:
     attention: str = "flash"
     """``flash`` (no T x T matrix stored: SDPA flash/efficient kernels, varlen) or ``math``."""
     fused_norm: bool = False
-    """RMSNorm as one kernel (saves input + rstd) instead of PyTorch's composite on CPU."""
+    """RMSNorm as one kernel (saves input and rstd) instead of PyTorch's composite RMSNorm on
+    CPU (which also saves ``x * rstd``). LayerNorm is always one kernel (input, mean, rstd)."""
 
     def __post_init__(self) -> None:
         _positive("batch", self.batch)
@@ -252,32 +284,3 @@ class Workload:
     @property
     def tokens(self) -> int:
         return self.batch * self.seq
-
-
-@dataclass(frozen=True)
-class Device:
-    """Peak dense FLOP/s, collective bus bandwidth and memory of one accelerator."""
-
-    name: str
-    flops: dict[str, float]
-    """Peak dense FLOP/s by compute dtype (``fp32`` without TF32, ``bf16``)."""
-    intra_gbps: float
-    """Bus bandwidth (GB/s, nccl-tests' busbw) within a node."""
-    inter_gbps: float
-    """Bus bandwidth (GB/s) per rank when a collective spans nodes."""
-    per_node: int
-    """Ranks per node."""
-    memory_gib: float | None
-    """Usable memory per rank; ``None``: no fit check."""
-    mfu: float = 0.4
-    """Default model FLOPs utilisation."""
-
-
-DEVICES: dict[str, Device] = {
-    "h100": Device("h100", {"bf16": 989e12, "fp32": 67e12}, 360.0, 45.0, 8, 80.0),
-    "h200": Device("h200", {"bf16": 989e12, "fp32": 67e12}, 360.0, 45.0, 8, 141.0),
-    "a100": Device("a100", {"bf16": 312e12, "fp32": 19.5e12}, 230.0, 22.0, 8, 80.0),
-    # This 2-core box, one core per rank, Gloo over loopback: rough, see docs/estimate.md.
-    "cpu": Device("cpu", {"bf16": 2.3e11, "fp32": 1e11}, 0.35, 0.35, 64, None, mfu=0.5),
-}
-"""Defaults for ``--gpu``; every figure can be overridden on the command line."""

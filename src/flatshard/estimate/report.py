@@ -1,0 +1,137 @@
+"""Turn an estimate into a plain-text table and a JSON-ready dict."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .devices import Device
+from .memory import MemoryEstimate
+from .spec import Layout, ModelSpec, Workload
+from .steptime import StepTime
+
+__all__ = ["Report", "format_table", "to_json"]
+
+GIB, MIB = 2**30, 2**20
+COMPONENTS = (  # (key, label, note)
+    ("parameters", "parameters", "this rank's fp32 storage"),
+    ("gradients", "gradients", ".grad at the end of backward"),
+    ("optimizer", "optimizer state", "of this rank's parameters"),
+    ("buffers", "buffers", "RoPE tables, replicated"),
+    ("gathered_peak", "gathered units", "peak of full buffers at once"),
+    ("activations", "activations", "saved at the end of forward"),
+    ("peak", "peak", ""),
+)
+
+
+@dataclass(frozen=True)
+class Report:
+    """Everything one ``flatshard estimate`` run computed."""
+
+    spec: ModelSpec
+    layout: Layout
+    work: Workload
+    device: Device
+    memory: MemoryEstimate
+    time: StepTime
+    fits: bool | None
+    """Peak within the device memory (``None``: no capacity known)."""
+    min_world: dict[str, int | None]
+    """Smallest world size at which the peak fits, per strategy (``None``: never)."""
+    measured: dict[str, int] | None = None
+
+
+def _fmt(n: float, unit: int) -> str:
+    return f"{n / unit:,.2f}"
+
+
+def _header(r: Report) -> list[str]:
+    s, lay, w, p = r.spec, r.layout, r.work, r.layout.precision
+    tied = "tied" if s.tied else "untied"
+    shard = f"shard over {lay.shard_world}" if lay.shard_world > 1 else "replicated"
+    return [
+        f"model   {s.name}: {s.params:,} parameters ({s.params / 1e9:.3g} B); {s.layers} layers, "
+        f"hidden {s.hidden}, heads {s.heads} (kv {s.kv_heads}), ffn {s.ffn} {s.mlp}, "
+        f"vocab {s.vocab} {tied}",
+        f"layout  world {lay.world}, {lay.strategy} ({shard}), {p.name} "
+        f"(reduce {p.reduce or p.name}), "
+        f"{lay.optimizer}, {lay.backend}",
+        f"batch   {w.batch} x {w.seq} tokens per rank, {w.attention} attention"
+        + (", activation checkpointing" if w.act_ckpt else ""),
+    ]
+
+
+def format_table(r: Report) -> str:
+    """The human-readable report: memory components, the peak's breakdown, time, fit."""
+    m = r.memory
+    unit, uname = (GIB, "GiB") if m.peak >= GIB else (MIB, "MiB")
+    lines = [*_header(r), ""]
+    meas = r.measured
+    head = f"{'memory per rank (rank 0)':<52}{uname:>12}"
+    lines.append(head + (f"{'measured':>12}{'diff':>9}" if meas else ""))
+    for key, label, note in COMPONENTS:
+        value = getattr(m, key)
+        name = f"  {label} ({note})" if note else f"  {label} (at {m.peak_phase})"
+        row = f"{name:<52}{_fmt(value, unit):>12}"
+        if meas and key in meas:
+            diff = 100 * (value - meas[key]) / meas[key] if meas[key] else 0.0
+            row += f"{_fmt(meas[key], unit):>12}{diff:>+8.2f}%"
+        lines.append(row)
+    per_param = m.model_states / r.spec.params
+    states = f"  model states (params+grads+optimizer, {per_param:.3g} B/param)"
+    row = f"{states:<52}{_fmt(m.model_states, unit):>12}"
+    if meas:
+        measured = meas["parameters"] + meas["gradients"] + meas["optimizer"]
+        row += f"{_fmt(measured, unit):>12}{100 * (m.model_states - measured) / measured:>+8.2f}%"
+    lines.append(row)
+    lines.append("  peak breakdown: " + ", ".join(
+        f"{k} {_fmt(v, unit)}" for k, v in m.peak_parts.items() if v))  # fmt: skip
+    lines += ["", *_time_lines(r), "", *_fit_lines(r)]
+    return "\n".join(lines)
+
+
+def _time_lines(r: Report) -> list[str]:
+    t, d = r.time, r.device
+    peak = d.flops[r.layout.precision.name]
+    return [
+        f"step time on {d.name} (peak {peak / 1e12:,.1f} TFLOP/s {r.layout.precision.name})",
+        f"  compute           {t.compute_s * 1e3:12.2f} ms   ({t.flops:.3g} FLOPs)",
+        f"  all-gather        {t.all_gather_bytes / 1e9:12.3f} GB bus bytes",
+        f"  reduce-scatter    {t.reduce_scatter_bytes / 1e9:12.3f} GB",
+        f"  all-reduce        {t.all_reduce_bytes / 1e9:12.3f} GB",
+        f"  communication     {t.comm_s * 1e3:12.2f} ms   "
+        f"(exposed after overlap {t.exposed_comm_s * 1e3:.2f} ms)",
+        f"  step              {t.step_s * 1e3:12.2f} ms   {t.tokens_per_s:,.0f} tokens/s/rank, "
+        f"MFU {100 * t.mfu:.1f}%",
+    ]
+
+
+def _fit_lines(r: Report) -> list[str]:
+    cap = r.device.memory_gib
+    if cap is None:
+        return ["fit: no device memory given (--memory-gib)"]
+    verdict = "fits" if r.fits else "does NOT fit"
+    out = [f"fit: peak {r.memory.peak / GIB:,.1f} GiB {verdict} in {cap:g} GiB per rank"]
+    mins = ", ".join(f"{k} {v if v else 'never'}" for k, v in r.min_world.items())
+    out.append(f"  smallest world that fits (same batch per rank): {mins}")
+    return out
+
+
+def to_json(r: Report) -> dict:
+    """A JSON-ready dict with every input and figure (bytes, seconds)."""
+    m = r.memory
+    memory = {key: getattr(m, key) for key, _, _ in COMPONENTS}
+    memory |= {"model_states": m.model_states, "peak_phase": m.peak_phase,
+               "peak_parts": m.peak_parts,
+               "phases": [{"name": p.name, "total": p.total} for p in m.phases]}  # fmt: skip
+    return {
+        "model": dataclasses.asdict(r.spec) | {"params": r.spec.params},
+        "layout": dataclasses.asdict(r.layout) | {"shard_world": r.layout.shard_world},
+        "workload": dataclasses.asdict(r.work),
+        "device": dataclasses.asdict(r.device),
+        "memory_bytes": memory,
+        "time": dataclasses.asdict(r.time),
+        "fits": r.fits,
+        "min_world": r.min_world,
+        "measured_bytes": r.measured,
+    }

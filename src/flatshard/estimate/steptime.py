@@ -1,0 +1,103 @@
+"""Step time: compute at a given MFU plus the communication that overlap cannot hide.
+
+Volumes are *bus bytes* per rank (nccl-tests' convention): a collective over ``n`` ranks on a
+buffer of ``S`` bytes moves ``S (n-1)/n`` for all-gather and reduce-scatter and ``2 S (n-1)/n``
+for all-reduce, so its time is that volume over the bus bandwidth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .devices import Device
+from .spec import Layout, ModelSpec, Workload
+
+__all__ = ["StepTime", "estimate_time"]
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One training step of one micro-batch per rank."""
+
+    flops: float
+    """Model FLOPs per rank (PaLM's formula; x4/3 with activation checkpointing)."""
+    compute_s: float
+    """``flops / (peak * mfu)``."""
+    all_gather_bytes: float
+    """Bus bytes per rank: full_shard gathers the root and the last block once, every other
+    block twice (forward and backward)."""
+    reduce_scatter_bytes: float
+    all_reduce_bytes: float
+    """no_shard's gradient all-reduce; hybrid_shard's all-reduce of gradient shards."""
+    comm_s: float
+    """All communication back to back."""
+    exposed_comm_s: float
+    """What overlap leaves on the critical path."""
+    step_s: float
+    tokens_per_s: float
+    """Per rank."""
+    mfu: float
+    """Achieved model FLOPs utilisation including exposed communication."""
+
+
+def _volumes(spec: ModelSpec, layout: Layout) -> tuple[float, float, float]:
+    """(all-gather, reduce-scatter, all-reduce) bus bytes per rank per step."""
+    w, p, L = layout.shard_world, layout.precision, spec.layers
+    pad_root, pad_block = layout.padded(spec.root_params), layout.padded(spec.block_params)
+    flat = pad_root + L * pad_block
+    # full_shard: every block twice except the last of the forward, kept into the backward.
+    twice = layout.strategy in ("full_shard", "hybrid_shard")
+    gather_elems = pad_root + (2 * L - 1 if twice else L) * pad_block
+    f = (w - 1) / w
+    rs_factor = 2 if layout.backend == "gloo" else 1  # Gloo: an all-reduce of the flat gradient
+    ag, rs = gather_elems * p.param * f, rs_factor * flat * p.flat * f
+    replicas = layout.world // w
+    ar = 2 * (flat // w) * p.flat * (replicas - 1) / replicas
+    return ag, rs, ar
+
+
+def estimate_time(
+    spec: ModelSpec,
+    layout: Layout,
+    work: Workload,
+    device: Device,
+    *,
+    mfu: float | None = None,
+    intra_gbps: float | None = None,
+    inter_gbps: float | None = None,
+    overlap: float | None = None,
+) -> StepTime:
+    """Step time on ``device``. The first all-gather (root + first block) and the last
+    reduce-scatter (root) cannot overlap anything; ``overlap`` (default: the device's) of the
+    rest hides under compute, and whatever exceeds the compute time stays exposed."""
+    mfu = device.mfu if mfu is None else mfu
+    overlap = device.overlap if overlap is None else overlap
+    if not 0 < mfu <= 1 or not 0 <= overlap <= 1:
+        raise ValueError(f"mfu={mfu} must be in (0, 1] and overlap={overlap} in [0, 1]")
+    flops = spec.flops_per_token(work.seq) * work.tokens * (4 / 3 if work.act_ckpt else 1)
+    compute = flops / (device.flops[layout.precision.name] * mfu)
+    intra = (intra_gbps or device.intra_gbps) * 1e9
+    inter = (inter_gbps or device.inter_gbps) * 1e9
+    shard_bw = intra if layout.shard_world <= device.per_node else inter
+    replicate_bw = intra if layout.world <= device.per_node else inter
+    ag, rs, ar = _volumes(spec, layout)
+    comm = (ag + rs) / shard_bw + ar / replicate_bw
+    f = (layout.shard_world - 1) / layout.shard_world
+    root, block = layout.padded(spec.root_params), layout.padded(spec.block_params)
+    first = (root + block) * layout.precision.param * f / shard_bw
+    last = root * layout.precision.flat * f / shard_bw
+    rest = max(0.0, comm - first - last)
+    exposed = first + last + (1 - overlap) * rest + max(0.0, overlap * rest - compute)
+    step = compute + exposed
+    return StepTime(
+        flops=flops,
+        compute_s=compute,
+        all_gather_bytes=ag,
+        reduce_scatter_bytes=rs,
+        all_reduce_bytes=ar,
+        comm_s=comm,
+        exposed_comm_s=exposed,
+        step_s=step,
+        tokens_per_s=work.tokens / step,
+        mfu=flops / (device.flops[layout.precision.name] * step) / (4 / 3 if work.act_ckpt else 1),
+    )
