@@ -277,7 +277,9 @@ def test_collectives_per_step(dist_pools, strategy):
     assert counts["gpt"] == expected
     # LoRA (full_shard): two units; the frozen groups are gathered, never reduce-scattered.
     assert counts["lora"]["reduce_scatter"] == 2
-    padding = 2 * (world - 1) * 4  # per unit at most world-1 fp32 elements of padding
+    # Per unit: at most world-1 fp32 elements of tail padding, and up to 3 elements of 16-byte
+    # alignment gap before each of its 2 trainable parameters.
+    padding = 2 * ((world - 1) + 2 * 3) * 4
     assert counts["lora_trainable_bytes"] <= counts["lora_rs_bytes"]
     assert counts["lora_rs_bytes"] <= counts["lora_trainable_bytes"] + padding
     assert all(counts["lora_frozen_grads"])
@@ -564,3 +566,27 @@ def test_debug_mode_names_mismatched_collectives(dist_pools):
     for message in dist_pools(2).run(case_debug_mode_reports_desync):
         assert "collective mismatch" in message
         assert "unit 0 (Block)" in message and "(TinyGPT)" in message
+
+
+def case_alignment() -> list[int]:
+    """Every full-shape parameter view starts on a 16-byte boundary, odd sizes included."""
+    model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 7), nn.Linear(7, 2))
+    offsets: list[int] = []
+    for layer in model:
+        layer.register_forward_pre_hook(
+            lambda m, a: offsets.extend(p.data_ptr() % 16 for p in m.parameters())
+        )
+    fs.shard(model, policy=fs.wrap.root_only())
+    model(torch.randn(2, 3)).sum().backward()
+    bf16 = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 7))
+    bf16[1].register_forward_pre_hook(
+        lambda m, a: offsets.extend(p.data_ptr() % 16 for p in m.parameters())
+    )
+    fs.shard(bf16, policy=fs.wrap.root_only(), mixed_precision=fs.MixedPrecision(torch.bfloat16))
+    bf16(torch.randn(2, 3))
+    return offsets
+
+
+def test_parameters_are_16_byte_aligned_in_the_gathered_buffer(dist_pools):
+    offsets = dist_pools(2).run(case_alignment)[0]
+    assert len(offsets) == 8 and set(offsets) == {0}

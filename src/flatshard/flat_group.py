@@ -43,6 +43,19 @@ class ParamSpec:
     fragment: nn.Parameter
 
 
+ALIGN_BYTES = 16
+
+
+def _aligned_offsets(params: list[nn.Parameter], align: int) -> list[int]:
+    """Start of each parameter in the flat buffer, then the end of the last one."""
+    offsets, position = [], 0
+    for p in params:
+        position = -(-position // align) * align
+        offsets.append(position)
+        position += p.numel()
+    return [*offsets, position]
+
+
 class FlatGroup:
     """A flat buffer of same-dtype parameters, sharded over ``world`` ranks."""
 
@@ -67,7 +80,11 @@ class FlatGroup:
         self.storage = storage_device(device, offload)  # where the shard lives
         self.world = world
         self.rank = rank
-        total = sum(p.numel() for p in params)
+        # Every parameter starts on a 16-byte boundary of the full buffer (in both the stored and
+        # the compute dtype): GPU kernels (cuBLAS, inductor) pick slower paths for odd offsets.
+        itemsize = min(self.dtype.itemsize, self.compute_dtype.itemsize)
+        self.align = max(1, ALIGN_BYTES // itemsize)
+        total = _aligned_offsets(params, self.align)[-1]
         self.padded_numel = max(world, math.ceil(total / world) * world)
         self.shard_numel = self.padded_numel // world
         self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.storage)
@@ -86,8 +103,8 @@ class FlatGroup:
 
     def _layout(self, params: list[nn.Parameter], rank: int) -> list[ParamSpec]:
         lo, hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
-        specs, offset = [], 0
-        for param in params:
+        specs = []
+        for param, offset in zip(params, _aligned_offsets(params, self.align), strict=False):
             n = param.numel()
             start, end = max(offset, lo), min(offset + n, hi)
             end = max(start, end)
@@ -98,7 +115,6 @@ class FlatGroup:
                 self.shard[start - lo : end - lo], requires_grad=param.requires_grad
             )
             specs.append(ParamSpec(param.shape, offset, n, start - lo, end - lo, fragment))
-            offset += n
         return specs
 
     def fragment_range(self, spec: ParamSpec) -> tuple[int, int]:
@@ -143,16 +159,19 @@ class FlatGroup:
 
     # ---- gradients ---------------------------------------------------------------------------
     def flat_grad_from(self, grads: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
-        """One padded flat gradient from per-parameter grads; ``None`` (unused) becomes zeros."""
-        pieces = []
+        """One padded flat gradient from per-parameter grads; ``None`` (unused), alignment gaps
+        and the tail padding become zeros."""
+        pieces, position = [], 0
         for spec, grad in zip(self.specs, grads, strict=True):
-            if grad is None:
-                pieces.append(torch.zeros(spec.numel, dtype=self.reduce_dtype, device=self.device))
-            else:
-                pieces.append(grad.reshape(-1).to(self.reduce_dtype))
-        pad = self.padded_numel - sum(s.numel for s in self.specs)
-        pieces.append(torch.zeros(pad, dtype=self.reduce_dtype, device=self.device))
-        return torch.cat(pieces)
+            if spec.offset > position:
+                pieces.append(self._zeros(spec.offset - position))
+            pieces.append(self._zeros(spec.numel) if grad is None else grad.reshape(-1))
+            position = spec.offset + spec.numel
+        pieces.append(self._zeros(self.padded_numel - position))
+        return torch.cat([p.to(self.reduce_dtype) for p in pieces])
+
+    def _zeros(self, n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=self.reduce_dtype, device=self.device)
 
     def zeros_flat_grad(self) -> torch.Tensor:
         return torch.zeros(self.padded_numel, dtype=self.reduce_dtype, device=self.device)
