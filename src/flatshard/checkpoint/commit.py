@@ -9,7 +9,9 @@ complete checkpoint; the partial directory keeps its ``.tmp-`` name (and usually
 manifest), so ``latest_checkpoint`` and ``load`` ignore it, and the next save to the same path
 deletes it. Overwriting an existing checkpoint renames it to ``<path>.old-<id>`` first (a
 directory cannot be atomically replaced by another on POSIX) and deletes it after the new one is
-in place: a crash between those two renames leaves no ``<path>`` but both complete copies.
+in place: a crash between those two renames leaves no ``<path>`` but both complete copies;
+``latest_checkpoint`` then returns the set-aside previous one, and the next commit to ``<path>``
+deletes it.
 All ranks must see one shared filesystem (as DCP itself needs for resharding loads).
 """
 
@@ -82,8 +84,9 @@ def commit(tmp: Path, path: Path, data_files: dict[str, dict], description: dict
         os.replace(path, old)
     os.replace(tmp, path)
     _fsync_dir(path.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    # ours, and any left by an overwrite that was killed between its two renames
+    for stale in path.parent.glob(f"{glob.escape(path.name)}{OLD_MARK}*"):
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def read_manifest(path: Path) -> dict:
@@ -117,13 +120,17 @@ def read_manifest(path: Path) -> dict:
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint directly under ``directory`` (by commit time), or
-    ``None``. Partial saves (``*.tmp-*``), set-aside old copies and damaged ones are ignored."""
+    ``None``. Partial saves (``*.tmp-*``) and damaged ones are ignored, and so are set-aside old
+    copies (``<name>.old-*``) unless ``<name>`` is missing: an overwrite killed between its two
+    renames, whose previous checkpoint is then the one to use."""
     root = Path(directory)
     if not root.is_dir():
         return None
     best: tuple[int, str] | None = None
     for child in root.iterdir():
-        if TMP_MARK in child.name or OLD_MARK in child.name:
+        if TMP_MARK in child.name:
+            continue
+        if OLD_MARK in child.name and (root / child.name.split(OLD_MARK)[0]).exists():
             continue
         try:
             created = int(read_manifest(child)["created_ns"])

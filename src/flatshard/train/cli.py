@@ -1,7 +1,8 @@
 """``flatshard train``: parse the command line, check it, start (or become) the workers.
 
     flatshard train [--config FILE.toml] [--steps N] [--nproc N] [--out DIR] [--resume]
-                    [--data PATH] [--seed N] [--section.key VALUE ...] [--print-config]
+                    [--data PATH] [--seed N] [--max-restarts N] [--section.key VALUE ...]
+                    [--print-config]
 
 Settings are applied in this order: the defaults, the ``--config`` file, then the command-line
 options from left to right. Config and data mistakes are reported here, before any worker
@@ -26,6 +27,7 @@ _SHORTCUTS = {
     "out": "out",
     "data": "data.path",
     "seed": "seed",
+    "max_restarts": "parallel.max_restarts",
 }
 
 
@@ -43,6 +45,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="DIR", help="output directory (= --out DIR)")
     p.add_argument("--data", metavar="PATH", help=".txt/.jsonl file or directory (= --data.path)")
     p.add_argument("--seed", metavar="N", help="model init and data order seed")
+    p.add_argument(
+        "--max-restarts",
+        metavar="N",
+        help="restart the workers up to N times after a failure, resuming from the newest "
+        "checkpoint (= --parallel.max_restarts N)",
+    )
     p.add_argument(
         "--resume",
         action="store_true",
@@ -107,8 +115,9 @@ def _precheck(cfg: TrainConfig, resume: bool) -> None:
 
     from flatshard.train.checkpointing import refuse_to_mix
     from flatshard.train.data import read_documents
-    from flatshard.train.resolve import mixed_precision
+    from flatshard.train.resolve import gpt_config, mixed_precision
 
+    gpt_config(cfg)  # a shape the GPT cannot build (n_heads not dividing d_model, ...)
     if resume and not cfg.checkpoint.enabled:
         raise ValueError("--resume needs checkpoints, but checkpoint.enabled=false; enable them")
     if cfg.checkpoint.enabled and not resume:
@@ -137,7 +146,9 @@ def _launch(cfg: TrainConfig, resume: bool) -> int:
     nproc = cfg.parallel.nproc or default_nproc()
     cpu = not torch.cuda.is_available() or cfg.parallel.backend == "gloo"
     try:
-        launch_local(nproc, worker_main, cfg, resume, cpu=cpu)
+        launch_local(
+            nproc, worker_main, cfg, resume, cpu=cpu, max_restarts=cfg.parallel.max_restarts
+        )
     except (KeyboardInterrupt, SignalException) as e:  # the workers are stopped by now
         sig = getattr(e, "sigval", signal.SIGINT)
         print(
@@ -176,6 +187,12 @@ def run(cfg: TrainConfig, *, resume: bool = False) -> int:
         print(
             f"flatshard train: note: parallel.nproc={cfg.parallel.nproc} has no effect under "
             f"{mode}, which started {local} workers here",
+            file=sys.stderr,
+        )
+    if cfg.parallel.max_restarts and _rank0():
+        print(
+            f"flatshard train: note: parallel.max_restarts has no effect under {mode}; use "
+            "torchrun --max-restarts (a restarted worker resumes from the newest checkpoint)",
             file=sys.stderr,
         )
     return _run_here(cfg, resume)

@@ -27,6 +27,7 @@ __all__ = [
 
 DTYPES = ("fp32", "bf16", "fp16")
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
+NONFINITE = ("error", "skip")
 
 
 def _fail(where: str, value: object, rule: str, fix: str) -> ValueError:
@@ -126,13 +127,18 @@ class ParallelConfig:
     backend: str = "auto"
     """Process-group backend: auto (nccl on GPUs, gloo on CPU), nccl or gloo."""
     timeout_s: float = 600.0
-    """Seconds any rank waits on a peer before failing with an error (never a silent hang)."""
+    """Seconds any rank waits on a peer before failing with an error (never a silent hang).
+    Passed to init_process_group and fs.shard; a dead worker is detected sooner by the launcher."""
+    max_restarts: int = 0
+    """Restart the local workers this many times after a failure (like torchrun
+    --max-restarts); a restarted group resumes from the newest checkpoint."""
 
     def __post_init__(self) -> None:
         _int("parallel.nproc", self.nproc, 0)
         _choice("parallel.strategy", self.strategy, STRATEGIES)
         _choice("parallel.backend", self.backend, ("auto", "nccl", "gloo"))
         _float("parallel.timeout_s", self.timeout_s, 0.0, open_low=True)
+        _int("parallel.max_restarts", self.max_restarts, 0)
 
 
 @dataclass(frozen=True)
@@ -173,6 +179,9 @@ class OptimConfig:
     """AdamW's denominator epsilon."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 = no clipping (the norm is still logged)."""
+    nonfinite: str = "error"
+    """A step whose loss or gradient norm is NaN/inf: error (stop, naming the step) or skip
+    (no optimizer update on any rank; counted as skipped_steps in metrics.jsonl)."""
 
     def __post_init__(self) -> None:
         _float("optim.lr", self.lr, 0.0, open_low=True)
@@ -184,6 +193,7 @@ class OptimConfig:
         _float("optim.beta2", self.beta2, 0.0, 0.999999)
         _float("optim.eps", self.eps, 0.0, open_low=True)
         _float("optim.grad_clip", self.grad_clip, 0.0)
+        _choice("optim.nonfinite", self.nonfinite, NONFINITE)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import sys
 import uuid
 from collections.abc import Callable, Mapping
@@ -90,21 +91,29 @@ def slurm_environment(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def launch_local(
-    nproc: int, entrypoint: Callable[..., Any], *args: Any, cpu: bool
+    nproc: int, entrypoint: Callable[..., Any], *args: Any, cpu: bool, max_restarts: int = 0
 ) -> dict[int, Any]:
     """Run ``entrypoint(*args)`` in ``nproc`` fresh worker processes; their return values by rank.
 
     Raises ``torch.distributed.elastic.multiprocessing.errors.ChildFailedError`` if any worker
-    fails (the others are stopped). On CPU each worker gets ``OMP_NUM_THREADS=1`` unless the user
-    set it: ``nproc`` processes each using every core would oversubscribe the machine.
+    fails (the agent notices a dead worker within ``monitor_interval`` and stops the others) and
+    no restart is left; with ``max_restarts`` the whole group is restarted that many times (each
+    worker sees ``TORCHELASTIC_RESTART_COUNT``). On CPU each worker gets ``OMP_NUM_THREADS=1``
+    unless the user set it: ``nproc`` processes each using every core would oversubscribe it.
     """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if cpu and not os.environ.get("OMP_NUM_THREADS"):
         os.environ["OMP_NUM_THREADS"] = "1"
     os.environ[LOCAL_LAUNCH_ENV] = "1"  # workers leave error reports to this process
+    # torch >= 2.5 shares the agent's rendezvous TCPStore with the workers and keeps it across
+    # restarts: restarted workers may read the dead ones' Gloo/NCCL addresses and hang in
+    # init_process_group (pytorch/pytorch#135712). Unshared, rank 0 hosts a fresh store each time.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if "LOGLEVEL" not in os.environ:  # torch's own switch for its launcher logs
         _quiet_launcher_logs()
+        if max_restarts:
+            _announce_restarts()
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -112,7 +121,7 @@ def launch_local(
         run_id=str(uuid.uuid4()),
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",  # a free port, as torchrun --standalone
-        max_restarts=0,
+        max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
     )
@@ -126,6 +135,49 @@ def _quiet_launcher_logs() -> None:
     for name in list(logging.root.manager.loggerDict):
         if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+class _RestartNotes(logging.Handler):
+    """One line on stderr when the (silenced) agent restarts the workers: which rank failed and
+    how, read from the agent's own log records (their wording is torch's, hence the fallbacks)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.failure = "a worker failed"
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if failed := re.search(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)", text):
+            code, rank = int(failed.group(1)), failed.group(2)
+            self.failure = f"rank {rank} {_how(code)}"
+        elif left := re.search(r"(\d+)/(\d+) attempts left", text):
+            remaining, total = int(left.group(1)), int(left.group(2))
+            print(
+                f"flatshard train: {self.failure}; restarting the workers (restart "
+                f"{total - remaining + 1} of {total}), resuming from the newest checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.failure = "a worker failed"
+
+
+def _how(exitcode: int) -> str:
+    """``-9`` -> ``"was killed by SIGKILL"``; ``1`` -> ``"exited with status 1"``."""
+    if exitcode < 0:
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"exited with status {exitcode}"
+
+
+def _announce_restarts() -> None:
+    handler = _RestartNotes()
+    for name in ("multiprocessing.api", "agent.server.api"):
+        logger = logging.getLogger(f"torch.distributed.elastic.{name}")
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+        logger.handlers = [handler]
 
 
 def failure_report(failures: Mapping[int, Any]) -> tuple[str, int]:

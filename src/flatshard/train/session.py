@@ -39,8 +39,9 @@ from flatshard.train.trainer import Run, sample_text, train_loop
 
 __all__ = ["worker_main"]
 
-USER_ERRORS = (ValueError, TypeError, FileNotFoundError, ImportError)
-"""Mistakes in the config, the data or the installation: reported as one line, no traceback."""
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, ImportError, FloatingPointError)
+"""Mistakes in the config, the data or the installation, and a non-finite loss under
+``optim.nonfinite = "error"``: reported as one line, no traceback."""
 
 
 def _on_rank0(fn: Any, *args: Any) -> Any:
@@ -116,6 +117,7 @@ def _save(run: Run) -> None:
         "rng": {"world_size": run.env.world, "states": states},
         "tokens_seen": run.tokens_seen,
         "elapsed_s": run.elapsed_s,
+        "skipped_steps": run.skipped_steps,
         "config": to_dict(run.cfg),
     }
     path = run.ckpt.save(run.step, run.model, run.optimizer, extra)
@@ -157,6 +159,7 @@ def restore(run: Run, path: Path) -> None:
         torch.manual_seed(run.cfg.seed * 1_000_003 + 1 + run.env.rank + 7919 * extra["step"])
     run.step, run.tokens_seen = int(extra["step"]), int(extra["tokens_seen"])
     run.elapsed_s = float(extra["elapsed_s"])
+    run.skipped_steps = int(extra.get("skipped_steps", 0))
     if run.env.rank == 0:  # before the metrics log exists: plain prints
         print(
             f"  resumed from {path} at step {run.step} (epoch {run.sampler.epoch}, "
@@ -240,10 +243,12 @@ def run_worker(cfg: TrainConfig, env: Env, resume: bool) -> dict[str, Any] | Non
             )
         )
         print(_header(run), flush=True)
+        if restart_count():
+            print(f"  restart {restart_count()} after a failure: resuming", flush=True)
     if start is not None:
         restore(run, Path(start))  # collective: every rank loads
     elif resume and env.rank == 0:
-        print("  --resume: no checkpoint yet, starting from step 0", flush=True)
+        print("  resume: no checkpoint yet, starting from step 0", flush=True)
     if env.rank == 0:
         run.log = _open_log(run, run.step)
     run.stream = endless(run.sampler)
@@ -282,10 +287,17 @@ def _report(e: BaseException, rank: str, user_error: bool) -> None:
         print(f"[rank {rank}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
 
 
+def restart_count() -> int:
+    """How many times the launcher (ours, or torchrun ``--max-restarts``) restarted the workers."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
 def worker_main(cfg: TrainConfig, resume: bool) -> dict[str, Any] | None:
     """Entry point of every worker process. A user error (bad config, data or checkpoint)
-    exits with status 2 and its one-line message; anything else with 1 and its traceback."""
+    exits with status 2 and its one-line message; anything else with 1 and its traceback.
+    A restarted worker (after a failure) resumes from the newest checkpoint, as with --resume."""
     rank = "?"
+    resume = resume or restart_count() > 0
     try:
         cfg = _local_env_config(cfg)
         env = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s)

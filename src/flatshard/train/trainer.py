@@ -6,10 +6,13 @@ same number of them, in the same order: the same number of micro-batches per ste
 guarantees it, padding with empty micro-batches), the same validation micro-batch count, and
 the same number of generation steps for the final sample (no early stop at eos). Decisions that
 depend on the file system (is there a checkpoint to resume?) are taken by rank 0 and broadcast.
+Skipping a non-finite step (``optim.nonfinite``) is decided on the all-reduced loss and the
+global gradient norm, values every rank holds identically: no extra collective, no divergence.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +53,7 @@ class Run:
     step: int = 0
     tokens_seen: int = 0
     elapsed_s: float = 0.0
+    skipped_steps: int = 0  # steps whose update was skipped (optim.nonfinite = "skip")
     last: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -64,7 +68,8 @@ class Run:
 
 def train_step(run: Run, batches: list[PackedBatch]) -> dict[str, float]:
     """One optimizer step over this rank's micro-batches; the loss is normalised over the
-    step's global target tokens. Returns the global loss, real tokens and gradient norm."""
+    step's global target tokens. Returns the global loss, real tokens, gradient norm and whether
+    the update was skipped (a non-finite loss or norm under ``optim.nonfinite = "skip"``)."""
     world = run.env.world
     targets = global_token_count([b.labels for b in batches])  # one all-reduce, all ranks
     stats = torch.zeros(2, device=run.env.device)  # [loss, real tokens]; no host sync per batch
@@ -76,18 +81,28 @@ def train_step(run: Run, batches: list[PackedBatch]) -> dict[str, float]:
         stats[1] += (b.input_ids != TOKENIZER.pad_id).sum()
     clip = run.cfg.optim.grad_clip
     grad_norm = fs.clip_grad_norm_(run.model, max_norm=clip if clip > 0 else float("inf"))
-    run.optimizer.step()
-    run.optimizer.zero_grad(set_to_none=True)
-    run.scheduler.step()
     # rank r's loss is W * (its token-loss sum) / G, so the global mean is (sum over ranks) / W
     dist.all_reduce(stats)
+    loss, norm = stats[0].item() / world, grad_norm.item()
+    skip = not (math.isfinite(loss) and math.isfinite(norm))  # global values: same on all ranks
+    if skip and run.cfg.optim.nonfinite == "error":
+        raise FloatingPointError(
+            f"step {run.step + 1}: the loss is {loss} and the gradient norm {norm}; the run "
+            "diverged or the data is bad. Lower optim.lr, or set optim.nonfinite=skip to skip "
+            "such steps, and continue from the last checkpoint with --resume"
+        )
+    if not skip:
+        run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.scheduler.step()  # the schedule moves on either way
     memory = torch.tensor(peak_memory_mb(run.env.device), device=run.env.device)
     dist.all_reduce(memory, op=dist.ReduceOp.MAX)
     return {
-        "loss": stats[0].item() / world,
+        "loss": loss,
         "tokens": stats[1].item(),
-        "grad_norm": grad_norm.item(),
+        "grad_norm": norm,
         "peak_mem_mb": memory.item(),
+        "skipped": float(skip),
     }
 
 
@@ -142,6 +157,7 @@ def _row(run: Run, step: int, lr: float, out: dict[str, float], seconds: float) 
         "peak_mem_mb": out["peak_mem_mb"],
         "mfu": mfu,
         "elapsed_s": run.elapsed_s,
+        "skipped_steps": run.skipped_steps,
     }
 
 
@@ -176,6 +192,7 @@ def train_loop(run: Run, save: Any) -> None:
         out = train_step(run, batches)
         seconds = time.perf_counter() - t0
         run.step, run.tokens_seen = step, run.tokens_seen + int(out["tokens"])
+        run.skipped_steps += int(out["skipped"])
         run.elapsed_s += seconds
         row = _row(run, step, lr, out, seconds)
         if _val_due(run, step):
