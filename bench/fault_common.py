@@ -161,3 +161,13 @@ def leftovers(pids: set[int], grace_s: float = 5.0) -> list[int]:
     while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.05)
     return left
+
+
+def report(results: list[dict], summary: dict, *, as_json: bool) -> None:
+    """Print a fault script's trials and summary (one JSON object with ``--json``)."""
+    if as_json:
+        print(json.dumps({"results": results, "summary": summary}))
+        return
+    for i, r in enumerate(results):
+        print(f"trial {i}: {json.dumps(r)}")
+    print(json.dumps(summary))

@@ -97,12 +97,7 @@ def main() -> None:
         reference(root, inputs, args)
         results = [trial(root, inputs, i, args) for i in range(args.trials)]
     summary = {"trials": len(results), "identical": sum(r["identical"] for r in results)}
-    if args.json:
-        print(json.dumps({"results": results, "summary": summary}))
-        return
-    for i, r in enumerate(results):
-        print(f"trial {i}: {json.dumps(r)}")
-    print(json.dumps(summary))
+    fc.report(results, summary, as_json=args.json)
 
 
 if __name__ == "__main__":

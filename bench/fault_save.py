@@ -27,6 +27,7 @@ import zlib
 from collections import Counter
 from pathlib import Path
 
+import fault_common as fc
 import torch
 from torch import nn
 
@@ -211,12 +212,7 @@ def main() -> None:
         "survived": sum(r["survived"] for r in results),
         "interrupted": dict(Counter(r["interrupted"] for r in results)),
     }
-    if args.json:
-        print(json.dumps({"results": results, "summary": summary}))
-        return
-    for i, r in enumerate(results):
-        print(f"trial {i}: {json.dumps(r)}")
-    print(json.dumps(summary))
+    fc.report(results, summary, as_json=args.json)
 
 
 if __name__ == "__main__":

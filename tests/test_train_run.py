@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -18,30 +19,18 @@ from flatshard.train.cli import parse_config
 from flatshard.train.config_io import load_toml
 from flatshard.train.resolve import resolve
 
-TINY = """
-[model]
-d_model = 32
-n_layers = 2
-n_heads = 2
-dropout = 0.1
-[data]
-seq_len = 64
-rows = 2
-[precision]
-param_dtype = "fp32"
-[optim]
-warmup_steps = 5
-decay_steps = 50   # fixed, so that the 40-step run and its extension share one schedule
-[checkpoint]
-every = 20
-keep = 2
-[log]
-every = 10
-val_every = 20
-val_batches = 2
-plot_every = 1000
-sample_tokens = 8
-"""
+sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+from fault_common import TINY_TOML  # the one tiny-run config, shared with bench/
+
+# This test's differences from the shared tiny config, as CLI overrides.
+OVERRIDES = [
+    "--optim.decay_steps", "50",  # fixed: the 40-step run and its extension share one schedule
+    "--checkpoint.every", "20",
+    "--log.val_every", "20",
+    "--log.val_batches", "2",
+    "--log.plot_every", "1000",
+    "--log.sample_tokens", "8",
+]  # fmt: skip
 
 
 def _train(*args: str) -> subprocess.CompletedProcess:
@@ -64,8 +53,8 @@ def runs(tmp_path_factory):
     """A: 40 steps then resumed to 50; B: 50 steps uninterrupted."""
     pytest.importorskip("flatshard.checkpoint", reason="flatshard.checkpoint not available")
     root = tmp_path_factory.mktemp("train")
-    (root / "tiny.toml").write_text(TINY)
-    config = ["--config", str(root / "tiny.toml"), "--nproc", "2"]
+    (root / "tiny.toml").write_text(TINY_TOML)
+    config = ["--config", str(root / "tiny.toml"), "--nproc", "2", *OVERRIDES]
     first = _train(*config, "--steps", "40", "--out", str(root / "a"))
     assert first.returncode == 0, first.stderr[-3000:]
     first_rows = _rows(root / "a")
