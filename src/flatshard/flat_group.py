@@ -136,10 +136,8 @@ class FlatGroup:
         if not self.replicated:
             self.full.untyped_storage().resize_(0)
 
-    def gather(
-        self, group: dist.ProcessGroup | None, stats: CommStats, *, async_op: bool
-    ) -> PendingWork:
-        """All-gather every rank's shard straight into ``full`` (no copy-in, no copy-out);
+    def gather(self, group: dist.ProcessGroup | None, stats: CommStats) -> PendingWork:
+        """Async: all-gather every rank's shard straight into ``full`` (no copy-in, no copy-out);
         under mixed precision the shard is cast first, once, so half the bytes travel."""
         self.allocate_full()
         send = self.shard
@@ -148,9 +146,7 @@ class FlatGroup:
             send = send.to(self.device, non_blocking=True)
         if send.dtype != self.compute_dtype:
             send = send.to(self.compute_dtype)
-        return all_gather_into(
-            self.full.data, send, group, stats, async_op=async_op, label=self.label
-        )
+        return all_gather_into(self.full.data, send, group, stats, label=self.label)
 
     def full_views(self) -> list[torch.Tensor]:
         """Full-shape views of ``full``, one per parameter (no autograd edge)."""

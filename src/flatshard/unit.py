@@ -123,9 +123,7 @@ class Unit:
         """Issue the async all-gathers of every group (no-op unless sharded)."""
         if self.state is not ParamState.SHARDED:
             return
-        self._gather_work = [
-            g.gather(self.process_group, self.stats, async_op=True) for g in self.groups
-        ]
+        self._gather_work = [g.gather(self.process_group, self.stats) for g in self.groups]
         self._gathered_versions = [g.shard._version for g in self.groups]
         self.state = ParamState.GATHERING
 

@@ -217,8 +217,9 @@ class Layout:
     """``fs.Prefetch(backward=...)``: ``pre`` gathers the next unit as a unit's backward starts
     (two block units gathered), ``post``/``none`` after it finished (one)."""
     backend: str = "nccl"
-    """``nccl`` or ``gloo``. On Gloo flatshard reduce-scatters as an in-place all-reduce of the
-    flat gradient (faster there), which moves twice the bus bytes."""
+    """``nccl`` or ``gloo``. On Gloo groups of more than 8 ranks flatshard reduce-scatters as an
+    in-place all-reduce of the flat gradient (faster there), which moves twice the bus bytes;
+    up to 8 it uses a point-to-point ring (``gloo_p2p``), the same bytes as NCCL's."""
 
     def __post_init__(self) -> None:
         _positive("world", self.world)

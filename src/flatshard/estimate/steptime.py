@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..gloo_p2p import MAX_P2P_WORLD
 from .devices import Device
 from .spec import Layout, ModelSpec, Workload
 
@@ -49,7 +50,8 @@ def _volumes(spec: ModelSpec, layout: Layout) -> tuple[float, float, float]:
     twice = layout.strategy in ("full_shard", "hybrid_shard")
     gather_elems = pad_root + (2 * L - 1 if twice else L) * pad_block
     f = (w - 1) / w
-    rs_factor = 2 if layout.backend == "gloo" else 1  # Gloo: an all-reduce of the flat gradient
+    # Gloo beyond gloo_p2p's ring (more than 8 ranks): an all-reduce of the flat gradient.
+    rs_factor = 2 if layout.backend == "gloo" and w > MAX_P2P_WORLD else 1
     ag, rs = gather_elems * p.param * f, rs_factor * flat * p.flat * f
     replicas = layout.world // w
     ar = 2 * (flat // w) * p.flat * (replicas - 1) / replicas

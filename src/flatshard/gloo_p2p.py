@@ -1,0 +1,115 @@
+"""All-gather and reduce-scatter for Gloo, built from ``torch.distributed`` point-to-point sends.
+
+Why: on Gloo (CPU) the stock collectives move each byte more often than needed. Measured on the
+2-core CI box at world 2 (one 3.38 MiB shard, 6.77 MiB full buffer, blocking, quiet box):
+
+| op | Gloo collective | point-to-point here |
+|---|---|---|
+| all-gather | 5.3 ms (``all_gather_into_tensor``) | 2.7 ms |
+| reduce-scatter | 8.8 ms (``reduce_scatter_tensor``), 6.3 ms (``all_reduce``) | 3.2 ms |
+
+- **All-gather** is direct: every rank sends its shard to each peer and receives each peer's shard
+  straight into its chunk of ``out`` (no staging copy). All sends are posted at once, so the whole
+  gather runs in Gloo's background threads and ``wait`` only waits.
+- **Reduce-scatter** is a ring: in step ``s`` rank ``r`` sends its running sum of chunk
+  ``r-s-1`` to rank ``r+1`` and receives the running sum of chunk ``r-s-2`` from rank ``r-1``,
+  adding its own contribution into ``full`` (scratch) in place. After ``W-1`` steps chunk ``r``
+  holds the full sum. Each byte is sent once. Step 0 is posted when
+  the reduce is launched; later steps (``W > 2``) run inside ``wait``, since each needs the data
+  received by the one before.
+
+Only a rank's own chunk is ever computed on that rank, so summation order differs from Gloo's
+all-reduce (results match to rounding), and every rank still sees the same gathered bytes.
+
+[Note: p2p message matching]
+Gloo matches a receive to the sends of one peer with the same *tag* in posting order. Every rank
+posts flatshard's collectives in the same program order, so the k-th send to a peer meets the
+k-th receive there. The tags also name the operation (and the ring step), so a desynchronised
+peer fails with a size/tag mismatch or the timeout of ``wait`` rather than exchanging the wrong
+bytes silently. Gloo's own collectives use separate (prefixed) slots, so they never meet these.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+GATHER_TAG = 0x46530000
+REDUCE_TAG = 0x46531000  # + ring step
+MAX_P2P_WORLD = 8  # beyond one host's worth of ranks, Gloo's own ring algorithms are used
+
+
+def p2p_enabled(group: dist.ProcessGroup) -> bool:
+    """Use the point-to-point algorithms for this group? Gloo groups of 2..8 ranks, unless
+    ``FLATSHARD_GLOO_P2P=0`` (to measure the stock collectives, or to rule this path out)."""
+    if os.environ.get("FLATSHARD_GLOO_P2P", "1") == "0":
+        return False
+    return dist.get_backend(group) == "gloo" and 2 <= dist.get_world_size(group) <= MAX_P2P_WORLD
+
+
+class P2PWork:
+    """Posted sends/receives plus the steps that must follow them, with the ``wait(timeout)``
+    of a ``dist.Work`` so that ``collectives.PendingWork`` treats both alike."""
+
+    def __init__(self, works: list[dist.Work], steps: list[Callable[[], list[dist.Work]]]):
+        self._works = works
+        self._steps = steps  # each runs after all earlier work completed; returns new work
+
+    def wait(self, timeout: datetime.timedelta) -> bool:
+        while True:
+            for work in self._works:
+                work.wait(timeout)
+            if not self._steps:
+                self._works = []
+                return True
+            self._works = self._steps.pop(0)()
+
+
+def _peer(group: dist.ProcessGroup, group_rank: int) -> int:
+    return dist.get_global_rank(group, group_rank)
+
+
+def all_gather(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> P2PWork:
+    """Async: ``out`` = the concatenation of every rank's ``shard`` (in group-rank order)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    n = shard.numel()
+    chunks = out.view(world, n)
+    works = []
+    for offset in range(1, world):  # pair up as rank+k / rank-k so sends and receives interleave
+        dst, src = (rank + offset) % world, (rank - offset) % world
+        works.append(dist.isend(shard, _peer(group, dst), group=group, tag=GATHER_TAG))
+        works.append(dist.irecv(chunks[src], _peer(group, src), group=group, tag=GATHER_TAG))
+    chunks[rank].copy_(shard)
+    return P2PWork(works, [])
+
+
+def reduce_scatter_sum(out: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup) -> P2PWork:
+    """Async ring reduce-scatter: ``out`` = this rank's chunk of the sum over ranks of ``full``.
+    ``full`` is scratch: it holds running sums afterwards. The last step receives straight into
+    ``out``, so at world 2 nothing beyond ``out`` is allocated (one staging shard above)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunks = full.view(world, out.numel())
+    last = world - 2
+    staging = torch.empty_like(out) if last > 0 else out
+    nxt, prev = _peer(group, (rank + 1) % world), _peer(group, (rank - 1) % world)
+
+    def post(step: int) -> list[dist.Work]:
+        tag = REDUCE_TAG + step
+        send = dist.isend(chunks[(rank - step - 1) % world], nxt, group=group, tag=tag)
+        recv = dist.irecv(out if step == last else staging, prev, group=group, tag=tag)
+        return [send, recv]
+
+    def accumulate_then_post(step: int) -> list[dist.Work]:
+        chunks[(rank - step - 1) % world].add_(staging)  # now our running sum of that chunk
+        return post(step)
+
+    def finish() -> list[dist.Work]:
+        out.add_(chunks[rank])  # the others' sum of our chunk, plus ours
+        return []
+
+    steps = [lambda s=s: accumulate_then_post(s) for s in range(1, world - 1)]
+    return P2PWork(post(0), [*steps, finish])
