@@ -40,3 +40,34 @@ def test_hybrid_shard_2x2_matches_single_process(dist_pools, name):
 @pytest.mark.parametrize("name", ["gpt_tied", "gpt_nested_units", "reused_unit", "hf_llama"])
 def test_activation_checkpointing_matches_single_process(dist_pools, name, strategy):
     _check(dist_pools(2).run(train_parity, name, 5, 2, strategy, True)[0], name, 2)
+
+
+def pieces_parity(name: str, strategy: str = "full_shard", recompute: bool = False):
+    """``train_parity`` with every gradient reduced straight from its per-parameter pieces (the
+    Gloo point-to-point path that skips the flat copy; by default only for units >= 1 MiB)."""
+    from flatshard import flat_group
+
+    saved, flat_group.PIECES_MIN_BYTES = flat_group.PIECES_MIN_BYTES, 0
+    try:
+        return train_parity(name, 5, 2, strategy, recompute)
+    finally:
+        flat_group.PIECES_MIN_BYTES = saved
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("name", [*HARD_CASES, "gpt_nested_units"])
+def test_reduce_from_pieces_matches_single_process(dist_pools, name, world):
+    _check(dist_pools(world).run(pieces_parity, name)[0], name, world)
+
+
+@pytest.mark.parametrize(
+    "name, strategy, recompute, world",
+    [
+        ("gpt_tied", "hybrid_shard", False, 4),
+        ("unused", "hybrid_shard", False, 4),
+        ("unused", "shard_grad_op", False, 3),
+        ("reused_unit", "full_shard", True, 2),
+    ],
+)
+def test_reduce_from_pieces_other_setups(dist_pools, name, strategy, recompute, world):
+    _check(dist_pools(world).run(pieces_parity, name, strategy, recompute)[0], name, world)

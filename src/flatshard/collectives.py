@@ -136,6 +136,24 @@ def reduce_scatter_sum(
     return PendingWork(work, "reduce_scatter", (out, full))
 
 
+def reduce_scatter_pieces_sum(
+    out: torch.Tensor,
+    grads: tuple[torch.Tensor | None, ...],
+    spans: list[list[gloo_p2p.Span]],
+    flat_numel: int,
+    group: dist.ProcessGroup,
+    stats: CommStats,
+    label: str = "",
+) -> PendingWork:
+    """Async: like :func:`reduce_scatter_sum` of the flat gradient that the per-parameter
+    ``grads`` would form (``flat_numel`` elements laid out as ``spans``), without forming it
+    (Gloo point-to-point only: ``gloo_p2p.reduce_scatter_pieces``)."""
+    descriptor = out.new_empty(()).expand(flat_numel)  # counts/checks as the flat tensor would
+    stats.record("reduce_scatter", descriptor, group, label)
+    work = gloo_p2p.reduce_scatter_pieces(out, grads, spans, group)
+    return PendingWork(work, "reduce_scatter", (out,))
+
+
 def all_reduce_sum(
     tensor: torch.Tensor, group: dist.ProcessGroup, stats: CommStats, label: str = ""
 ) -> PendingWork:

@@ -25,7 +25,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import CommStats, PendingWork, all_gather_into, all_reduce_sum, reduce_scatter_sum
+from . import gloo_p2p
+from .collectives import (
+    CommStats,
+    PendingWork,
+    all_gather_into,
+    all_reduce_sum,
+    reduce_scatter_pieces_sum,
+    reduce_scatter_sum,
+)
 from .mesh import Topology
 from .offload import CPUOffload, pin_if_useful, storage_device
 from .precision import MixedPrecision, compute_dtype, reduce_dtype, sum_scaling
@@ -44,6 +52,17 @@ class ParamSpec:
 
 
 ALIGN_BYTES = 16
+PIECES_MIN_BYTES = 1 << 20  # see FlatGroup.reduces_pieces
+
+
+def _divided(flat_grad: torch.Tensor, pre: float) -> torch.Tensor:
+    """In place: the first half of the mean's division (fp16), see ``precision.sum_scaling``."""
+    return flat_grad.div_(pre) if pre != 1.0 else flat_grad
+
+
+def _data_parallel_world(topo: Topology) -> int:
+    replicas = dist.get_world_size(topo.replicate_group) if topo.replicate_group else 1
+    return topo.shard_world * replicas
 
 
 def _aligned_offsets(params: list[nn.Parameter], align: int) -> list[int]:
@@ -99,6 +118,7 @@ class FlatGroup:
             else torch.empty(self.padded_numel, dtype=self.compute_dtype, device=device)
         )
         self._full_bytes = self.full.untyped_storage().nbytes()
+        self._chunk_spans: list[list[gloo_p2p.Span]] | None = None  # see _reduce_scatter
         self.free_full()
 
     def _layout(self, params: list[nn.Parameter], rank: int) -> list[ParamSpec]:
@@ -172,26 +192,38 @@ class FlatGroup:
     def zeros_flat_grad(self) -> torch.Tensor:
         return torch.zeros(self.padded_numel, dtype=self.reduce_dtype, device=self.device)
 
+    def reduces_pieces(self, topo: Topology) -> bool:
+        """Can a gradient be reduced straight from its per-parameter pieces (no flat copy)?
+        Gloo point-to-point groups, no pre-division (fp16), at least ``PIECES_MIN_BYTES`` (below
+        that one message per parameter costs more than the copy saves)."""
+        group = topo.shard_group
+        return (
+            group is not None
+            and gloo_p2p.p2p_enabled(group)
+            and sum_scaling(self.reduce_dtype, _data_parallel_world(topo))[0] == 1.0
+            and self.padded_numel * self.reduce_dtype.itemsize >= PIECES_MIN_BYTES
+        )
+
     def start_reduce(
-        self, flat_grad: torch.Tensor, topo: Topology, stats: CommStats
+        self,
+        flat_grad: torch.Tensor | tuple[torch.Tensor | None, ...],
+        topo: Topology,
+        stats: CommStats,
     ) -> tuple[torch.Tensor, PendingWork]:
         """Start averaging ``flat_grad`` over every data-parallel rank; returns (this rank's
-        gradient shard, work). Sharded: reduce-scatter (SUM) over the shard group, then (hybrid)
+        gradient shard, work). ``flat_grad`` may also be the per-parameter gradients when
+        :meth:`reduces_pieces`. Sharded: reduce-scatter (SUM) over the shard group, then (hybrid)
         an all-reduce of the shard over the replicate group once the first has completed; the
         mean's division is split around the sum (see ``precision.sum_scaling``)."""
-        world = topo.shard_world * (
-            dist.get_world_size(topo.replicate_group) if topo.replicate_group else 1
-        )
-        pre, post = sum_scaling(self.reduce_dtype, world)
-        if pre != 1.0:
-            flat_grad.div_(pre)
+        pre, post = sum_scaling(self.reduce_dtype, _data_parallel_world(topo))
         if topo.shard_group is None:  # no_shard: the flat gradient is the shard's gradient
-            grad_shard, work = flat_grad, PendingWork(None, "none")
+            assert isinstance(flat_grad, torch.Tensor)
+            grad_shard, work = _divided(flat_grad, pre), PendingWork(None, "none")
             if topo.replicate_group is not None:
                 work = all_reduce_sum(grad_shard, topo.replicate_group, stats, self.label)
         else:
             grad_shard = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
-            work = reduce_scatter_sum(grad_shard, flat_grad, topo.shard_group, stats, self.label)
+            work = self._reduce_scatter(grad_shard, flat_grad, pre, topo.shard_group, stats)
             if topo.replicate_group is not None:
                 replicate = topo.replicate_group
                 work.add_then(
@@ -199,6 +231,26 @@ class FlatGroup:
                 )
         work.add_then(lambda _: grad_shard.div_(post) if post != 1.0 else None)
         return grad_shard, work
+
+    def _reduce_scatter(
+        self,
+        out: torch.Tensor,
+        flat_grad: torch.Tensor | tuple[torch.Tensor | None, ...],
+        pre: float,
+        group: dist.ProcessGroup,
+        stats: CommStats,
+    ) -> PendingWork:
+        if isinstance(flat_grad, tuple):  # per-parameter gradients (``reduces_pieces``: pre == 1)
+            spans = self._chunk_spans
+            if spans is None:
+                offsets = [(spec.offset, spec.numel) for spec in self.specs]
+                spans = self._chunk_spans = gloo_p2p.chunk_spans(
+                    offsets, self.shard_numel, self.world
+                )
+            return reduce_scatter_pieces_sum(
+                out, flat_grad, spans, self.padded_numel, group, stats, self.label
+            )
+        return reduce_scatter_sum(out, _divided(flat_grad, pre), group, stats, self.label)
 
     def assign_grads(self, grad_shard: torch.Tensor, used: torch.Tensor, stats: CommStats) -> None:
         """Give each used fragment its slice of ``grad_shard``; unused ones keep ``.grad``."""

@@ -113,3 +113,92 @@ def reduce_scatter_sum(out: torch.Tensor, full: torch.Tensor, group: dist.Proces
 
     steps = [lambda s=s: accumulate_then_post(s) for s in range(1, world - 1)]
     return P2PWork(post(0), [*steps, finish])
+
+
+# ---- reduce-scatter straight from per-parameter gradients ----------------------------------------
+Span = tuple[int, int, int, int]  # (offset in the chunk, length, parameter index, offset in it)
+
+
+def chunk_spans(offsets: list[tuple[int, int]], chunk_numel: int, world: int) -> list[list[Span]]:
+    """For each chunk of the flat layout, the parts of parameters (``offsets``: (flat offset,
+    numel) per parameter) that fall in it. Alignment gaps and tail padding belong to no span."""
+    spans: list[list[Span]] = []
+    for c in range(world):
+        lo, hi = c * chunk_numel, (c + 1) * chunk_numel
+        mine = []
+        for index, (offset, numel) in enumerate(offsets):
+            start, end = max(offset, lo), min(offset + numel, hi)
+            if end > start:
+                mine.append((start - lo, end - start, index, start - offset))
+        spans.append(mine)
+    return spans
+
+
+def reduce_scatter_pieces(
+    out: torch.Tensor,
+    grads: tuple[torch.Tensor | None, ...],
+    spans: list[list[Span]],
+    group: dist.ProcessGroup,
+) -> P2PWork:
+    """Async ring reduce-scatter of the flat gradient that ``grads`` (per parameter; ``None`` =
+    zeros) would form, without forming it: the first step sends each parameter's part of a
+    chunk as its own message and the receiver lands it at its place in the chunk, so no flat
+    copy of the unit's gradient is ever made (time: no ``torch.cat``; memory: one unit-sized
+    buffer less per reduction in flight). Later ring steps (``W > 2``) send running sums whole.
+    ``grads`` must stay unmodified until the work completes (the caller keeps them alive)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    last = world - 2
+    staging = [torch.empty_like(out) for _ in range(min(last, 2))]
+    nxt, prev = _peer(group, (rank + 1) % world), _peer(group, (rank - 1) % world)
+
+    def piece(span: Span) -> torch.Tensor:
+        _, length, index, start = span
+        grad = grads[index]
+        if grad is None:
+            return out.new_zeros(length)
+        return grad.reshape(-1)[start : start + length].to(out.dtype)
+
+    def receive_buffer(step: int) -> torch.Tensor:
+        return out if step == last else staging[step % 2]
+
+    def add_own(buf: torch.Tensor, chunk: int) -> None:
+        for span in spans[chunk]:
+            if grads[span[2]] is not None:
+                buf[span[0] : span[0] + span[1]].add_(piece(span))
+
+    def first_step() -> list[dist.Work]:
+        tag, works = REDUCE_TAG, []
+        for span in spans[(rank - 1) % world]:
+            works.append(dist.isend(piece(span), nxt, group=group, tag=tag))
+        buf = receive_buffer(0)
+        _zero_gaps(buf, spans[(rank - 2) % world])
+        for at, length, _, _ in spans[(rank - 2) % world]:
+            works.append(dist.irecv(buf[at : at + length], prev, group=group, tag=tag))
+        return works
+
+    def later_step(step: int) -> list[dist.Work]:
+        running = staging[(step - 1) % 2]  # received last step: the others' sum of this chunk
+        add_own(running, (rank - step - 1) % world)
+        tag = REDUCE_TAG + step
+        return [
+            dist.isend(running, nxt, group=group, tag=tag),
+            dist.irecv(receive_buffer(step), prev, group=group, tag=tag),
+        ]
+
+    def finish() -> list[dist.Work]:
+        add_own(out, rank)
+        return []
+
+    steps = [lambda s=s: later_step(s) for s in range(1, world - 1)]
+    return P2PWork(first_step(), [*steps, finish])
+
+
+def _zero_gaps(buf: torch.Tensor, spans: list[Span]) -> None:
+    """Zero what no span covers (alignment gaps, padding): no message writes there."""
+    position = 0
+    for at, length, _, _ in spans:
+        if at > position:
+            buf[position:at].zero_()
+        position = at + length
+    if position < buf.numel():
+        buf[position:].zero_()

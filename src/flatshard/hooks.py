@@ -166,9 +166,16 @@ def on_unit_grads(state: ShardedState, unit: Unit, grads: tuple) -> None:
         offset += len(group.specs)
         if all(g is None for g in mine):
             continue
-        flat = group.flat_grad_from(mine)
         previous = unit.grad.flat_grads[gi]
-        unit.grad.flat_grads[gi] = flat if previous is None else previous.add_(flat)
+        if (
+            previous is None
+            and _reduce_right_away(state, unit)
+            and group.reduces_pieces(state.topology)
+        ):
+            unit.grad.flat_grads[gi] = tuple(mine)  # reduced without a flat copy
+        else:
+            flat = group.flat_grad_from(mine)
+            unit.grad.flat_grads[gi] = flat if previous is None else previous.add_(flat)
         unit.grad.used[gi] |= torch.tensor([g is not None for g in mine])
     unit.grad.pending_nodes = max(0, unit.grad.pending_nodes - 1)
     if unit.grad.pending_nodes == 0:
@@ -179,6 +186,11 @@ def on_unit_grads(state: ShardedState, unit: Unit, grads: tuple) -> None:
         unit.reshard(state.timeout)
         if state.prefetch_policy.backward == "post":
             state.prefetch(state.backward_order.after(unit))
+
+
+def _reduce_right_away(state: ShardedState, unit: Unit) -> bool:
+    """This call's gradients are the unit's last of this backward and get reduced next."""
+    return unit.grad.pending_nodes == 1 and not state.defer_reduce
 
 
 def _queue_final_callback(state: ShardedState) -> None:

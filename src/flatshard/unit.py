@@ -47,7 +47,9 @@ class GradState:
     """Per-backward gradient bookkeeping of one unit."""
 
     pending_nodes: int = 0  # autograd nodes created in forward whose backward has not run
-    flat_grads: list[torch.Tensor | None] = field(default_factory=list)  # per group
+    # Per group: the flat gradient, or the per-parameter gradients themselves when they are
+    # reduced without a flat copy (``FlatGroup.reduces_pieces``), or None before any.
+    flat_grads: list[torch.Tensor | tuple | None] = field(default_factory=list)
     used: list[torch.Tensor] = field(default_factory=list)  # per group: bool per parameter
 
 
