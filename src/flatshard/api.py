@@ -78,6 +78,7 @@ def shard(
         model, plan, strategy, topology, _timeout(timeout_s), init_fn, mixed_precision, offload
     )
     state.prefetch_policy = prefetch if prefetch is not None else Prefetch()
+    state.enable_gather_pool()
     state.mixed_precision = mixed_precision
     check_nothing_on_meta(model)
     buffer_dtype = mixed_precision.buffer_dtype if mixed_precision is not None else None

@@ -34,6 +34,7 @@ from .collectives import (
     reduce_scatter_pieces_sum,
     reduce_scatter_sum,
 )
+from .gather_pool import GatherPool
 from .mesh import Topology
 from .offload import CPUOffload, pin_if_useful, storage_device
 from .precision import MixedPrecision, compute_dtype, reduce_dtype, sum_scaling
@@ -118,6 +119,10 @@ class FlatGroup:
             else torch.empty(self.padded_numel, dtype=self.compute_dtype, device=device)
         )
         self._full_bytes = self.full.untyped_storage().nbytes()
+        self._private = self.full
+        self.pool: GatherPool | None = None  # set when gathers may borrow pooled buffers
+        self._borrowed: torch.Tensor | None = None  # the pooled buffer ``full`` views, if any
+        self.keep_private = False  # saved views of this step hold the private storage
         self._chunk_spans: list[list[gloo_p2p.Span]] | None = None  # see _reduce_scatter
         self.free_full()
 
@@ -144,17 +149,44 @@ class FlatGroup:
         return start, start + (spec.local_end - spec.local_start)
 
     # ---- full buffer -------------------------------------------------------------------------
+    # ``full`` is either this group's private buffer (``_private``, storage resized to zero when
+    # released; see [Note: full buffer lifetime]) or a view of a buffer borrowed from ``pool``
+    # (see [Note: gather buffers and saved tensors] in gather_pool.py).
     @property
     def is_allocated(self) -> bool:
-        return self.full.untyped_storage().nbytes() > 0
+        return self._borrowed is not None or self._private.untyped_storage().nbytes() > 0
+
+    @property
+    def is_pooled(self) -> bool:
+        """Gathered into a pooled buffer right now."""
+        return self._borrowed is not None
 
     def allocate_full(self) -> None:
-        if not self.is_allocated:
-            self.full.untyped_storage().resize_(self._full_bytes)
+        if self.is_allocated:
+            return
+        if self.pool is not None and not self.keep_private:
+            self._borrowed = self.pool.acquire(self)
+            self.full = self._borrowed[: self.padded_numel]
+        else:
+            self._private.untyped_storage().resize_(self._full_bytes)
 
     def free_full(self) -> None:
-        if not self.replicated:
-            self.full.untyped_storage().resize_(0)
+        if self._borrowed is not None:
+            self.pool.release(self._borrowed)  # type: ignore[union-attr]
+            self._borrowed, self.full = None, self._private
+        elif not self.replicated:
+            self._private.untyped_storage().resize_(0)
+
+    def move_to_private(self) -> None:
+        """Copy a pooled gather into the private buffer (whose storage saved views may keep)
+        and gather there until this backward is over (``keep_private``)."""
+        if self._borrowed is None:
+            return
+        self.keep_private = True
+        self._private.untyped_storage().resize_(self._full_bytes)
+        self._private.data.copy_(self.full.data)
+        self.pool.release(self._borrowed)  # type: ignore[union-attr]
+        self._borrowed, self.full = None, self._private
 
     def gather(self, group: dist.ProcessGroup | None, stats: CommStats) -> PendingWork:
         """Async: all-gather every rank's shard straight into ``full`` (no copy-in, no copy-out);

@@ -29,6 +29,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
+from . import saved_views
 from .precision import MixedPrecision, cast_floating
 from .state import ShardedState
 from .unit import Unit
@@ -110,6 +111,7 @@ def _pre_forward(state: ShardedState, unit: Unit, module, args, kwargs):
     state.forward_order.observe(unit)
     state.ensure_gathered(unit)
     state.prefetch(state.forward_order.after(unit, state.prefetch_policy.forward))
+    saved_views.enter(state.pool, unit)
     unit.install_views(make_views(state, unit))
     unit.forward_depth += 1
     return None
@@ -118,14 +120,18 @@ def _pre_forward(state: ShardedState, unit: Unit, module, args, kwargs):
 def _post_forward(state: ShardedState, unit: Unit, module, args, kwargs, output):
     if state.summoned or (state.recompute_in_backward and in_backward()):
         return None
+    saved_views.leave(unit)
     unit.forward_depth = max(0, unit.forward_depth - 1)
     if unit.forward_depth == 0:  # not inside an outer call of the same unit (register_method)
         unit.install_fragments()
         # The last unit of the forward is the first of the backward: keep it (one regather
         # less per step). Only with grad: a no-grad forward has no backward to wait for.
-        keep = torch.is_grad_enabled() and state.forward_order.is_last(unit)
+        last = state.forward_order.is_last(unit)
+        keep = torch.is_grad_enabled() and last
         if unit.reshard_after_forward and not keep:
             unit.reshard(state.timeout)
+        if last and state.pool is not None:
+            state.pool.trim()
     if torch.is_grad_enabled() and unit.grad.pending_nodes > 0:
         _hook_output_grads(state, unit, output)
     return None

@@ -14,6 +14,7 @@ whose shard moved on is regathered before use.
 from __future__ import annotations
 
 import datetime
+import os
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import CommStats, PendingWork, all_reduce
+from .gather_pool import GatherPool
 from .mesh import Topology
 from .prefetch import Prefetch
 from .unit import ParamState, Unit
@@ -96,6 +98,26 @@ class ShardedState:
         self.defer_reduce = False  # inside no_sync(keep="unsharded"): keep flat gradients
         self.recompute_in_backward = False  # fs.checkpoint_activations was applied
         self.mixed_precision = None  # fs.MixedPrecision or None
+        self.pool: GatherPool | None = None  # reused gather buffers, see enable_gather_pool
+
+    def enable_gather_pool(self) -> None:
+        """Let the units that reshard after forward gather into reused buffers (enough for
+        the current unit and those prefetched; ``FLATSHARD_GATHER_POOL=0``: one buffer per unit,
+        allocated at each gather and freed at each reshard)."""
+        if os.environ.get("FLATSHARD_GATHER_POOL", "1") == "0":
+            return
+        pooled = [g for u in self.units if u.reshard_after_forward for g in u.groups]
+        pooled = [g for g in pooled if not g.replicated]
+        if pooled:
+            self.pool = GatherPool(keep=max(2, self.prefetch_policy.forward + 1))
+            for g in pooled:
+                g.pool = self.pool
+
+    def gathered_buffers(self) -> list[torch.Tensor]:
+        """Every buffer that holds (or is kept for) gathered parameters now (accounting)."""
+        groups = [g for u in self.units for g in u.groups if not (g.is_pooled or g.replicated)]
+        out = [g.full for g in groups if g.full.untyped_storage().nbytes()]
+        return out + (self.pool.buffers() if self.pool is not None else [])
 
     # ---- gathering ---------------------------------------------------------------------------
     def ensure_gathered(self, unit: Unit) -> None:

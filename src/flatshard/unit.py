@@ -96,6 +96,7 @@ class Unit:
         self.anchor = torch.empty(0, device=device, requires_grad=True)
         self.state = ParamState.SHARDED
         self.forward_depth = 0  # nested calls in progress (a registered method calling forward)
+        self.saved_hooks: list = []  # per forward call in progress, see saved_views.enter
         self._gather_work: list[PendingWork] = []
         self._gathered_versions: list[int] = []
         self.grad = GradState()
@@ -103,6 +104,10 @@ class Unit:
         self.install_fragments()
 
     def reset_grad_state(self) -> None:
+        """After this unit's reduction is launched (or a no_sync backward): the autograd graph
+        of its forward calls is gone, so gathers may borrow pooled buffers again."""
+        for g in self.groups:
+            g.keep_private = False
         self.grad.pending_nodes = 0
         self.grad.flat_grads = [None] * len(self.groups)
         self.grad.used = [torch.zeros(len(g.specs), dtype=torch.bool) for g in self.groups]

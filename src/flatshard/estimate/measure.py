@@ -74,12 +74,6 @@ def _bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def _full_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
-    state = model._flatshard_state  # type: ignore[attr-defined]
-    # no_shard: ``full`` is the shard itself (nothing is gathered); leave those out.
-    return [g.full for unit in state.units for g in unit.groups if g.full is not g.shard]
-
-
 def build(
     model_name: str,
     *,
@@ -114,10 +108,9 @@ def build(
 def measure_step(
     model_name: str, *, batch: int, seq: int, seed: int = 0, **options: Any
 ) -> dict[str, int]:
-    """:func:`build` (``options``), run one warm-up step, then measure one step of ``batch``
+    """:func:`build` (``options``), run two warm-up steps, then measure one step of ``batch``
     random sequences of ``seq`` tokens. Call on every rank; returns this rank's bytes."""
     model, opt, vocab = build(model_name, seed=seed, **options)
-    fulls = _full_buffers(model)
     gen = torch.Generator().manual_seed(seed + 1 + dist.get_rank())
     seen: dict[str, int] = {}
 
@@ -131,13 +124,16 @@ def measure_step(
         opt.zero_grad(set_to_none=True)
 
     step()
+    step()  # steady state: the first step records the order, the second prefetches (pool)
     state_tensors = [v for s in opt.state.values() for v in s.values()]
     static = {"parameters": _bytes(model.parameters()), "optimizer": _bytes(state_tensors),
               "buffers": _bytes(model.buffers())}  # fmt: skip
-    static_ptrs = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *state_tensors]}
+    counted = [*model.parameters(), *state_tensors, *model.buffers()]  # in ``static``
+    static_ptrs = {t.untyped_storage().data_ptr() for t in counted}
+    fulls = model._flatshard_state.gathered_buffers  # type: ignore[attr-defined]
     tracker = LiveBytes(
-        exclude=lambda: static_ptrs | {f.untyped_storage().data_ptr() for f in fulls},
-        extra=lambda: sum(f.untyped_storage().nbytes() for f in fulls),  # gathered now
+        exclude=lambda: static_ptrs | {f.untyped_storage().data_ptr() for f in fulls()},
+        extra=lambda: sum(f.untyped_storage().nbytes() for f in fulls()),  # gathered now
     )
     with tracker:
         step(lambda: seen.__setitem__("activations", tracker.current))
