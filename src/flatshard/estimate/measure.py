@@ -59,6 +59,10 @@ class LiveBytes(TorchDispatchMode):
                 self.live[key] = storage.nbytes()
                 self.current += storage.nbytes()
                 weakref.finalize(storage, self._free, key)
+        # A storage can become excluded after its creation (a gather buffer the pool made,
+        # then handed out): count it once, as gathered.
+        for key in set(self.live) & (self.exclude() if excluded is None else excluded):
+            self._free(key)
         extra = self.extra()
         self.peak = max(self.peak, self.current + extra)
         self.peak_extra = max(self.peak_extra, extra)

@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from ..flat_group import PIECES_MIN_BYTES
+from ..gloo_p2p import MAX_P2P_WORLD
 from .activations import FP32, Activations, activations
 from .spec import Layout, ModelSpec, Workload
 
@@ -106,6 +108,14 @@ class _Step:
     def sharded(self) -> bool:
         return self.layout.shard_world > 1
 
+    def reduces_pieces(self, root: bool) -> bool:
+        """Reduced straight from the per-parameter gradients, without a flat copy (flatshard's
+        Gloo point-to-point path: ``FlatGroup.reduces_pieces``). Reductions in flight then hold
+        those gradients instead of a flat copy: the same bytes."""
+        lay = self.layout
+        p2p = lay.backend == "gloo" and 2 <= lay.shard_world <= MAX_P2P_WORLD
+        return p2p and self.pad(root) * lay.precision.flat >= PIECES_MIN_BYTES
+
     @property
     def cast_grads(self) -> bool:
         """Gradients are reduced in another dtype than the fp32 ``.grad`` they end up in."""
@@ -132,7 +142,8 @@ class _Step:
             return {"gradients": (done * self.pad(False) + self.pad(root)) * p.flat,
                     "flat_grads": casts}  # fmt: skip
         older = min(self.layout.max_inflight_reduces, done)
-        flats = (older * self.pad(False) + self.pad(root)) * p.flat
+        current = 0 if self.reduces_pieces(root) else self.pad(root)  # the flat copy
+        flats = (older * self.pad(False) + current) * p.flat
         new = self.shard(root) * p.flat  # the larger of the two is the moment's peak
         return {"gradients": done * self.shard(False) * p.flat + (new if new >= casts else 0),
                 "flat_grads": flats + (casts if casts > new else 0)}  # fmt: skip
