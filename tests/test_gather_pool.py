@@ -31,7 +31,7 @@ def case_buffers_are_reused() -> dict[str, object]:
     _, model = _sharded(layers=5)
     state = model._flatshard_state
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    allocations, gathers, addresses = [], [], []
+    allocations, gathers, addresses, accounts = [], [], [], []
     for step in range(5):
         state.stats.reset()
         before = state.pool.allocations
@@ -48,9 +48,17 @@ def case_buffers_are_reused() -> dict[str, object]:
         opt.step(), opt.zero_grad()
         del state.pool.acquire
         allocations.append(state.pool.allocations - before)
+        held = sum(b.untyped_storage().nbytes() for b in state.gathered_buffers())
+        accounts.append((state.gathered_bytes.current, held, state.gathered_bytes.peak))
         gathers.append(state.stats.calls["all_gather"])
         addresses.append(len(seen))
-    return {"allocations": allocations, "gathers": gathers, "buffers_used": addresses}
+    return {
+        "allocations": allocations,
+        "gathers": gathers,
+        "buffers_used": addresses,
+        "accounts": accounts,
+        "block_bytes": state.units[0].groups[0].padded_numel * 4,
+    }
 
 
 def test_gather_buffers_are_reused(dist_pools):
@@ -61,6 +69,11 @@ def test_gather_buffers_are_reused(dist_pools):
         assert min(r["gathers"][1:]) >= 9, r
         # and the 5 blocks share 2-3 buffers, so a regather lands elsewhere than the forward's
         assert max(r["buffers_used"][1:]) <= 3, r
+        # flatshard's own count of gathered bytes agrees with the buffers it holds; between
+        # steps it keeps the two free buffers of the backward (the root is released)
+        for current, held, peak in r["accounts"]:
+            assert current == held and peak >= held, r
+        assert r["accounts"][-1][0] == 2 * r["block_bytes"], r
 
 
 def pool_off_parity(name: str):

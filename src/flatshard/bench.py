@@ -185,7 +185,24 @@ def summarize(runners: list[Runner], args: argparse.Namespace, world: int) -> di
         last = by["flatshard"].comm[-1]
         steady = all(c == last for c in by["flatshard"].comm[WARMUP:])
         out["flatshard_comm"] = {**last, "steady": steady}
+    if "flatshard" in by:
+        out["flatshard_memory"] = flatshard_memory(by["flatshard"])
     return out
+
+
+def flatshard_memory(r: Runner) -> dict[str, int]:
+    """flatshard's own accounting on this rank: bytes of parameter shards, of optimizer state,
+    and of gathered parameters (peak over the run, and now: pooled buffers kept between steps)."""
+    state = r.model._flatshard_state  # type: ignore[attr-defined]
+    shards = {g.shard.untyped_storage().data_ptr(): g.shard.untyped_storage().nbytes()
+              for u in state.units for g in u.groups}  # fmt: skip
+    opt = [t for s in r.opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    return {
+        "shard_bytes": sum(shards.values()),
+        "optimizer_bytes": sum(t.untyped_storage().nbytes() for t in opt),
+        "gathered_peak_bytes": state.gathered_bytes.peak,
+        "gathered_now_bytes": state.gathered_bytes.current,
+    }
 
 
 def print_report(out: dict) -> None:
@@ -209,6 +226,12 @@ def print_report(out: dict) -> None:
         fc = out["flatshard_comm"]
         ops = [f"{op} {n}x {fc['bytes'][op] / 2**20:.2f} MiB" for op, n in fc["calls"].items()]
         print(f"\nflatshard comm per step (rank 0, steady={fc['steady']}): " + ", ".join(ops))
+    if "flatshard_memory" in out:
+        mib = {k: v / 2**20 for k, v in out["flatshard_memory"].items()}
+        print(f"flatshard memory (rank 0, MiB): parameter shards {mib['shard_bytes']:.1f}, "
+              f"optimizer state {mib['optimizer_bytes']:.1f}, gathered peak "
+              f"{mib['gathered_peak_bytes']:.1f} (kept between steps "
+              f"{mib['gathered_now_bytes']:.1f})")  # fmt: skip
     if rss:
         base = max(out["rss_before_models_mb"])
         print(f"peak RSS: max over ranks, one launch per mode; {base:.0f} MB before any model")

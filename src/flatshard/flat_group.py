@@ -34,7 +34,7 @@ from .collectives import (
     reduce_scatter_pieces_sum,
     reduce_scatter_sum,
 )
-from .gather_pool import GatherPool
+from .gather_pool import GatheredBytes, GatherPool
 from .mesh import Topology
 from .offload import CPUOffload, pin_if_useful, storage_device
 from .precision import MixedPrecision, compute_dtype, reduce_dtype, sum_scaling
@@ -121,6 +121,7 @@ class FlatGroup:
         self._full_bytes = self.full.untyped_storage().nbytes()
         self._private = self.full
         self.pool: GatherPool | None = None  # set when gathers may borrow pooled buffers
+        self.account: GatheredBytes | None = None  # flatshard's count of gathered bytes
         self._borrowed: torch.Tensor | None = None  # the pooled buffer ``full`` views, if any
         self.keep_private = False  # saved views of this step hold the private storage
         self._chunk_spans: list[list[gloo_p2p.Span]] | None = None  # see _reduce_scatter
@@ -168,14 +169,20 @@ class FlatGroup:
             self._borrowed = self.pool.acquire(self)
             self.full = self._borrowed[: self.padded_numel]
         else:
-            self._private.untyped_storage().resize_(self._full_bytes)
+            self._resize_private(self._full_bytes)
 
     def free_full(self) -> None:
         if self._borrowed is not None:
             self.pool.release(self._borrowed)  # type: ignore[union-attr]
             self._borrowed, self.full = None, self._private
         elif not self.replicated:
-            self._private.untyped_storage().resize_(0)
+            self._resize_private(0)
+
+    def _resize_private(self, nbytes: int) -> None:
+        storage = self._private.untyped_storage()
+        if self.account is not None:
+            self.account.change(nbytes - storage.nbytes())
+        storage.resize_(nbytes)
 
     def move_to_private(self) -> None:
         """Copy a pooled gather into the private buffer (whose storage saved views may keep)
@@ -183,7 +190,7 @@ class FlatGroup:
         if self._borrowed is None:
             return
         self.keep_private = True
-        self._private.untyped_storage().resize_(self._full_bytes)
+        self._resize_private(self._full_bytes)
         self._private.data.copy_(self.full.data)
         self.pool.release(self._borrowed)  # type: ignore[union-attr]
         self._borrowed, self.full = None, self._private

@@ -30,11 +30,26 @@ if TYPE_CHECKING:
 Kind = tuple[torch.dtype, torch.device]
 
 
+class GatheredBytes:
+    """flatshard's own count of the bytes held for gathered parameters (private buffers while
+    allocated, pooled buffers while they exist, in use or free) and its peak; benchmarks report
+    it next to the process's peak RSS."""
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.peak = 0
+
+    def change(self, delta: int) -> None:
+        self.current += delta
+        self.peak = max(self.peak, self.current)
+
+
 class GatherPool:
     """Free buffers by (dtype, device), handed out best-fit; at most ``keep`` kept per kind."""
 
-    def __init__(self, keep: int) -> None:
+    def __init__(self, keep: int, account: GatheredBytes) -> None:
         self.keep = keep
+        self.account = account
         self._free: dict[Kind, list[torch.Tensor]] = {}
         self.live: dict[int, tuple[FlatGroup, torch.Tensor]] = {}  # address -> (user, buffer)
         self.allocations = 0  # buffers created so far (tests: constant after the first step)
@@ -49,6 +64,7 @@ class GatherPool:
         else:
             self.allocations += 1
             buf = torch.empty(numel, dtype=group.compute_dtype, device=group.device)
+            self.account.change(_nbytes(buf))
         self.live[buf.untyped_storage().data_ptr()] = (group, buf)
         return buf
 
@@ -59,11 +75,14 @@ class GatherPool:
         free = self._free.setdefault((buf.dtype, buf.device), [])
         free.append(buf)
         if len(free) > self.keep:
-            del free[min(range(len(free)), key=lambda i: free[i].numel())]
+            smallest = min(range(len(free)), key=lambda i: free[i].numel())
+            self.account.change(-_nbytes(free.pop(smallest)))
 
     def trim(self) -> None:
         """Drop the free buffers. Called when a forward ends: until the backward's first
         regather nothing needs them, and this is when activations peak."""
+        for buf in self.free_buffers():
+            self.account.change(-_nbytes(buf))
         self._free.clear()
 
     def owner(self, tensor: torch.Tensor) -> FlatGroup | None:
@@ -71,7 +90,14 @@ class GatherPool:
         user = self.live.get(tensor.untyped_storage().data_ptr())
         return None if user is None else user[0]
 
+    def free_buffers(self) -> list[torch.Tensor]:
+        return [buf for bufs in self._free.values() for buf in bufs]
+
     def buffers(self) -> list[torch.Tensor]:
         """Every buffer the pool holds, in use or free (memory accounting)."""
         in_use = [buf for _, buf in self.live.values()]
-        return in_use + [buf for bufs in self._free.values() for buf in bufs]
+        return in_use + self.free_buffers()
+
+
+def _nbytes(buf: torch.Tensor) -> int:
+    return buf.untyped_storage().nbytes()

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import CommStats, PendingWork, all_reduce
-from .gather_pool import GatherPool
+from .gather_pool import GatheredBytes, GatherPool
 from .mesh import Topology
 from .prefetch import Prefetch
 from .unit import ParamState, Unit
@@ -99,6 +99,9 @@ class ShardedState:
         self.recompute_in_backward = False  # fs.checkpoint_activations was applied
         self.mixed_precision = None  # fs.MixedPrecision or None
         self.pool: GatherPool | None = None  # reused gather buffers, see enable_gather_pool
+        self.gathered_bytes = GatheredBytes()
+        for g in (g for u in units for g in u.groups if not g.replicated):
+            g.account = self.gathered_bytes
 
     def enable_gather_pool(self) -> None:
         """Let the units that reshard after forward gather into reused buffers (enough for
@@ -109,7 +112,8 @@ class ShardedState:
         pooled = [g for u in self.units if u.reshard_after_forward for g in u.groups]
         pooled = [g for g in pooled if not g.replicated]
         if pooled:
-            self.pool = GatherPool(keep=max(2, self.prefetch_policy.forward + 1))
+            keep = max(2, self.prefetch_policy.forward + 1)
+            self.pool = GatherPool(keep, self.gathered_bytes)
             for g in pooled:
                 g.pool = self.pool
 
