@@ -35,6 +35,6 @@ DEVICES: dict[str, Device] = {
     # This 2-core box, one core per rank, Gloo over loopback; calibrated on the anchor GPT's
     # step (docs/performance.md), see docs/estimate.md. Gloo's threads share the cores: little
     # overlap.
-    "cpu": Device("cpu", {"bf16": 3.7e11, "fp32": 1.6e11}, 0.35, 0.35, 64, None, 0.5, 0.3),
+    "cpu": Device("cpu", {"bf16": 3.7e11, "fp32": 1.6e11}, 0.7, 0.7, 64, None, 0.5, 0.3),
 }
 """Defaults for ``--gpu``; every figure can be overridden on the command line."""
