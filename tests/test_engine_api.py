@@ -590,3 +590,19 @@ def case_alignment() -> list[int]:
 def test_parameters_are_16_byte_aligned_in_the_gathered_buffer(dist_pools):
     offsets = dist_pools(2).run(case_alignment)[0]
     assert len(offsets) == 8 and set(offsets) == {0}
+
+
+def case_no_sync_from_pieces(keep: str, strategy: str) -> dict:
+    """``case_no_sync`` with every eligible gradient reduced from its per-parameter pieces."""
+    from flatshard import flat_group
+
+    saved, flat_group.PIECES_MIN_BYTES = flat_group.PIECES_MIN_BYTES, 0
+    try:
+        return case_no_sync(keep, strategy)
+    finally:
+        flat_group.PIECES_MIN_BYTES = saved
+
+
+@pytest.mark.parametrize("keep", ["unsharded", "sharded"])
+def test_no_sync_accumulation_from_pieces(dist_pools, keep):
+    assert dist_pools(3).run(case_no_sync_from_pieces, keep, "full_shard")[0]["err"] <= 1e-5
