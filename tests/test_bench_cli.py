@@ -37,4 +37,8 @@ def test_bench_cli_tiny_launch(tmp_path, capsys):
     for mode in ("flatshard", "fsdp2"):  # same init and data as DDP: same losses
         assert data["modes"][mode]["max_loss_diff_vs_ddp"] < 1e-5
     assert data["flatshard_comm"]["steady"] and data["flatshard_comm"]["calls"]["all_gather"] > 0
+    mem = data["flatshard_memory"]  # flatshard's own accounting, rank 0
+    # AdamW: m and v per shard element, plus a 4-byte step counter per parameter
+    assert mem["shard_bytes"] > 0 and 0 <= mem["optimizer_bytes"] - 2 * mem["shard_bytes"] < 4096
+    assert mem["gathered_peak_bytes"] >= mem["gathered_now_bytes"] > 0  # pooled buffers kept
     assert "flatshard/fsdp2" in capsys.readouterr().out
