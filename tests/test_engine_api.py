@@ -606,3 +606,56 @@ def case_no_sync_from_pieces(keep: str, strategy: str) -> dict:
 @pytest.mark.parametrize("keep", ["unsharded", "sharded"])
 def test_no_sync_accumulation_from_pieces(dist_pools, keep):
     assert dist_pools(3).run(case_no_sync_from_pieces, keep, "full_shard")[0]["err"] <= 1e-5
+
+
+def case_reshard_root() -> dict:
+    """``reshard_root=True``: the root regathers for its backward (one all-gather more a step),
+    is not gathered between forward and backward, and training still matches the reference."""
+    out = {}
+    for reshard_root in (False, True):
+        torch.manual_seed(0)
+        ref = TinyGPT()
+        model = fs.shard(
+            copy.deepcopy(ref), policy=fs.wrap.by_type(Block), reshard_root=reshard_root
+        )
+        root = model._flatshard_state.units[-1]
+        world, rank = dist.get_world_size(), dist.get_rank()
+        stats, gathered_at_loss = model._flatshard_state.stats, []
+        for step in range(3):
+            batch = torch.randint(
+                0, 50, (2 * world, 13), generator=torch.Generator().manual_seed(step)
+            )
+            stats.reset()
+            loss = _lm(model, batch.chunk(world)[rank])
+            gathered_at_loss.append(root.state.value)
+            loss.backward()
+            _lm(ref, batch).backward()
+            for p in (*model.parameters(), *ref.parameters()):
+                if p.grad is not None:
+                    p.data.add_(p.grad, alpha=-0.5)
+                    p.grad = None
+        full = fs.full_state_dict(model)
+        err = max(rel_err(full[k], v) for k, v in ref.state_dict().items()) if full else 0.0
+        out[reshard_root] = {"gathers": stats.calls["all_gather"], "err": err,
+                             "root_at_loss": gathered_at_loss[-1]}  # fmt: skip
+    return out
+
+
+def test_reshard_root_option(dist_pools):
+    for r in dist_pools(2).run(case_reshard_root):
+        assert r[True]["gathers"] == r[False]["gathers"] + 1, r
+        assert r[False]["root_at_loss"] == "unsharded" and r[True]["root_at_loss"] == "sharded"
+        assert r[False]["err"] <= 1e-5 and r[True]["err"] <= 1e-5, r
+
+
+def test_reshard_root_without_effect_warns(dist_pools):
+    assert all(dist_pools(2).run(case_reshard_root_warning))
+
+
+def case_reshard_root_warning() -> bool:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fs.shard(TinyGPT(), policy=fs.wrap.by_type(Block), strategy="no_shard", reshard_root=True)
+    return any("reshard_root=True) has no effect" in str(w.message) for w in caught)

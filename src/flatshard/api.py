@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import enum
 import os
+import warnings
 
 import torch.distributed as dist
 from torch import nn
@@ -47,6 +48,7 @@ def shard(
     timeout_s: float | None = None,
     init_fn: InitFn | None = None,
     prefetch: Prefetch | None = None,
+    reshard_root: bool = False,
 ) -> nn.Module:
     """Shard ``model``'s parameters over ``mesh`` (default: all ranks) and return it.
 
@@ -60,8 +62,19 @@ def shard(
     A model built under ``torch.device("meta")`` is materialised unit by unit (peak memory: one
     unit): ``init_fn(unit_module)`` initialises each unit's parameters (default: the unit
     module's ``reset_parameters()``, or its children's); see ``flatshard.meta_init``.
+
+    ``reshard_root``: under ``full_shard``/``hybrid_shard`` the root unit stays gathered from
+    its forward into its backward (default, as FSDP2: the root's backward comes first, so a
+    reshard would only regather it). ``True`` releases it after forward like any unit: the
+    root's gathered bytes are free while the loss is computed, for one all-gather more a step.
     """
     strategy = _check_arguments(model, strategy, mixed_precision, offload)
+    if reshard_root and strategy not in RESHARD_AFTER_FORWARD:
+        warnings.warn(
+            f"fs.shard(reshard_root=True) has no effect with strategy={strategy.value!r}: its "
+            "units stay gathered until their backward (use full_shard or hybrid_shard)",
+            stacklevel=2,
+        )
     if prefetch is not None and not isinstance(prefetch, Prefetch):
         raise TypeError(f"prefetch={prefetch!r}: pass fs.Prefetch(forward=..., backward=...)")
     require_initialized()
@@ -73,10 +86,12 @@ def shard(
             f"policy={policy!r} matched no module of {type(model).__name__}; check the class "
             "names or sizes it selects (everything would fall into one root unit)"
         )
-    check_ranks_agree(_describe(model, plan, strategy, mixed_precision), dist.group.WORLD)
+    description = _describe(model, plan, strategy, mixed_precision)
+    check_ranks_agree([*description, f"reshard_root={reshard_root}"], dist.group.WORLD)
     state = _build_state(
-        model, plan, strategy, topology, _timeout(timeout_s), init_fn, mixed_precision, offload
-    )
+        model, plan, strategy, topology, _timeout(timeout_s), init_fn, mixed_precision, offload,
+        reshard_root,
+    )  # fmt: skip
     state.prefetch_policy = prefetch if prefetch is not None else Prefetch()
     state.enable_gather_pool()
     state.mixed_precision = mixed_precision
@@ -163,6 +178,7 @@ def _build_state(
     init_fn: InitFn | None,
     mixed_precision: MixedPrecision | None,
     offload: CPUOffload | None,
+    reshard_root: bool,
 ) -> ShardedState:
     slots: dict[int, list[tuple[nn.Module, str]]] = {}
     owned: list[list[nn.Parameter]] = [[] for _ in plan.unit_modules]
@@ -184,7 +200,7 @@ def _build_state(
             others = built - {id(module)}
             params = materialize_unit(module, params, slots, others, topology.device, init_fn)
         # The root's backward comes first, so resharding it after forward would only regather.
-        reshard = strategy in RESHARD_AFTER_FORWARD and module is not model
+        reshard = strategy in RESHARD_AFTER_FORWARD and (module is not model or reshard_root)
         unit = Unit(
             len(units),
             module,
