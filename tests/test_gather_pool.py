@@ -17,10 +17,12 @@ import flatshard as fs
 from parity_models import Block, TinyGPT, _lm_loss, _tokens, train_parity
 
 
-def _sharded(layers: int = 5) -> tuple[torch.nn.Module, torch.nn.Module]:
+def _sharded(
+    layers: int = 5, prefetch: fs.Prefetch | None = None
+) -> tuple[torch.nn.Module, torch.nn.Module]:
     torch.manual_seed(0)
     ref = TinyGPT(layers=layers)
-    return ref, fs.shard(copy.deepcopy(ref), policy=fs.wrap.by_type(Block))
+    return ref, fs.shard(copy.deepcopy(ref), policy=fs.wrap.by_type(Block), prefetch=prefetch)
 
 
 def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -121,13 +123,13 @@ def test_foreign_saved_tensor_hooks_keep_working(dist_pools):
         assert r["grad_diff"] == [0.0, 0.0, 0.0], r  # the same arithmetic: bit-identical
 
 
-def case_deep_model_gradients(layers: int) -> list[float]:
+def case_deep_model_gradients(layers: int, forward: int = 1, backward: str = "pre") -> list[float]:
     """Gradients of every step against the single-process model, for a model deep enough that
     a block's backward regather lands in a different buffer than its forward gather (with 3
     blocks the ping-pong happens to give each block its forward buffer back)."""
     from parity_models import _max_grad_err
 
-    ref, model = _sharded(layers)
+    ref, model = _sharded(layers, fs.Prefetch(forward=forward, backward=backward))
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
     errors = []
@@ -144,4 +146,10 @@ def case_deep_model_gradients(layers: int) -> list[float]:
 @pytest.mark.parametrize("world", [2, 3])
 def test_saved_views_follow_the_buffer_moves(dist_pools, world):
     for errors in dist_pools(world).run(case_deep_model_gradients, 6):
+        assert max(errors) <= 1e-5, errors
+
+
+@pytest.mark.parametrize("forward, backward", [(0, "none"), (2, "post"), (3, "pre")])
+def test_saved_views_with_other_prefetch_depths(dist_pools, forward, backward):
+    for errors in dist_pools(2).run(case_deep_model_gradients, 7, forward, backward):
         assert max(errors) <= 1e-5, errors
