@@ -146,6 +146,26 @@ def check_cpu_offload(c: Ctx) -> dict:
     return out
 
 
+def check_pooled_buffers(c: Ctx) -> dict:
+    """Reused gather buffers + saved-view hooks on the device: with offloaded shards the full
+    buffers are separate tensors even at world 1, so the pool serves them; 3 SGD steps, the
+    gradients of each equal the unsharded model's (from step 2 on a block's backward regather
+    lands in another buffer than its forward's)."""
+    model, ref = c.sharded(offload=fs.CPUOffload(params=True)), c.ref()
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    params, ref_params = dict(model.named_parameters()), dict(ref.named_parameters())
+    errs = []
+    for x in (c.x, c.x2, c.x):
+        lm_loss(model, x).backward(), lm_loss(ref, x).backward()
+        errs.append(max(rel_err(params[n].grad, q.grad.reshape(-1)) for n, q in ref_params.items()))
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    pool = model._flatshard_state.pool
+    allocations = pool.allocations if pool is not None else 0
+    # CPU dry run: offloading to the CPU is a no-op there, so world 1 has no buffer to pool.
+    pooled = allocations > 0 or not c.cuda
+    return {"ok": max(errs) <= TOL and pooled, "grad_errs": errs, "buffers": allocations}
+
+
 def check_save_load(c: Ctx) -> dict:
     """Save after a step; load into another init that has optimizer state of its own."""
     model = c.sharded()
@@ -188,7 +208,8 @@ def check_meta_init(c: Ctx) -> dict:
     return {"ok": ok, "on_device": placed, "finite": finite, "losses": losses, "ln_V": uniform}
 
 
-CHECKS = [check_fp32_parity, check_bf16_mixed, check_cpu_offload, check_save_load]
+CHECKS = [check_fp32_parity, check_bf16_mixed, check_cpu_offload, check_pooled_buffers]
+CHECKS += [check_save_load]
 CHECKS += [check_activation_ckpt, check_meta_init]
 
 
