@@ -153,3 +153,66 @@ def test_saved_views_follow_the_buffer_moves(dist_pools, world):
 def test_saved_views_with_other_prefetch_depths(dist_pools, forward, backward):
     for errors in dist_pools(2).run(case_deep_model_gradients, 7, forward, backward):
         assert max(errors) <= 1e-5, errors
+
+
+class Consumer(torch.nn.Module):
+    """A unit of model B that multiplies by a weight it is handed (model A's parameter)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) @ w  # saves the view of A's gathered weight
+
+
+class Producer(torch.nn.Module):
+    """A unit of model A that calls a unit of model B (kept out of A's modules) with its
+    own parameter."""
+
+    def __init__(self, d: int, consumers: list) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(d, d) / d**0.5)
+        self.consumers, self.index = consumers, len(consumers) - 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.consumers[self.index](x, self.w)
+
+
+def _two_models(d: int = 16, depth: int = 6) -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(0)
+    consumers: list = []
+    b = torch.nn.ModuleList()
+    a = torch.nn.Sequential()
+    for _ in range(depth):
+        consumers.append(Consumer(d))
+        b.append(consumers[-1])
+        a.append(Producer(d, consumers))
+    return a, torch.nn.Sequential(b)  # B's root holds its units
+
+
+def case_parameter_passed_to_another_sharded_model() -> list[float]:
+    """Model A's unit hands its parameter to a unit of model B (both sharded, both pooled):
+    the view saved inside B's forward belongs to A's pool and must follow A's buffer moves."""
+    from parity_models import _max_grad_err
+
+    ref_a, ref_b = _two_models()
+    a, b = _two_models()
+    fs.shard(b, policy=fs.wrap.by_type(Consumer))
+    fs.shard(a, policy=fs.wrap.by_type(Producer))
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    opts = [torch.optim.SGD([*m.parameters()], lr=0.1) for m in (a, b, ref_a, ref_b)]
+    errors = []
+    for step in range(4):
+        x = torch.randn(4 * world, 16, generator=torch.Generator().manual_seed(step))
+        a(x.chunk(world)[rank]).pow(2).mean().backward()
+        ref_a(x).pow(2).mean().backward()
+        errors.append(max(_max_grad_err(a, ref_a), _max_grad_err(b, ref_b)))
+        for o in opts:
+            o.step(), o.zero_grad()
+    return errors
+
+
+def test_parameter_passed_to_another_sharded_model(dist_pools):
+    for errors in dist_pools(2).run(case_parameter_passed_to_another_sharded_model):
+        assert max(errors) <= 1e-5, errors

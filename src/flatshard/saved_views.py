@@ -10,6 +10,7 @@ tensor itself would tie an output to its own ``grad_fn`` in a reference cycle).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,15 +32,20 @@ class SavedView:
     stride: tuple[int, ...]
 
 
-def make_hooks(pool: GatherPool) -> torch.autograd.graph.saved_tensors_hooks:
+def make_hooks(
+    pool: GatherPool, outer_pack: Callable[[torch.Tensor], Any] | None = None
+) -> torch.autograd.graph.saved_tensors_hooks:
+    """``outer_pack``: the pack hook of an enclosing unit of *another* sharded model, asked
+    about tensors this pool does not own (a parameter view of that model passed in here)."""
+
     def pack(tensor: torch.Tensor) -> Any:
         try:
             group = pool.owner(tensor)
         except (RuntimeError, NotImplementedError):  # no plain storage (sparse, nested, ...)
             group = None
-        if group is None:
-            return tensor.detach()
-        return SavedView(group, tensor.storage_offset(), tuple(tensor.size()), tensor.stride())
+        if group is not None:
+            return SavedView(group, tensor.storage_offset(), tuple(tensor.size()), tensor.stride())
+        return tensor.detach() if outer_pack is None else outer_pack(tensor)
 
     def unpack(saved: Any) -> torch.Tensor:
         if not isinstance(saved, SavedView):
@@ -52,21 +58,27 @@ def make_hooks(pool: GatherPool) -> torch.autograd.graph.saved_tensors_hooks:
             )
         return group.full.data.as_strided(saved.size, saved.stride, saved.offset)
 
-    pack.flatshard = True  # type: ignore[attr-defined]  # see other_hooks_active
+    pack.flatshard_pool = pool  # type: ignore[attr-defined]  # see active_hooks
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
-def other_hooks_active() -> bool:
-    """Are saved-tensor hooks of someone else (``save_on_cpu``, ...) active? Ours would shadow
-    them. Ours (an enclosing unit's) do not count. If torch does not say, assume they are."""
+FOREIGN = "foreign"
+
+
+def active_hooks() -> tuple[Callable, Callable] | str | None:
+    """The saved-tensor hooks active now: None, flatshard's own (pack, unpack) of an enclosing
+    unit, or ``FOREIGN`` for someone else's (``save_on_cpu``, ...), which ours would shadow.
+    If torch does not say, assume foreign."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     if top is None:
-        return True
+        return FOREIGN
     try:
         hooks = top(True)
     except TypeError:  # older signature without ``ignore_is_tracing``
         hooks = top()
-    return hooks is not None and not getattr(hooks[0], "flatshard", False)
+    if hooks is None or hasattr(hooks[0], "flatshard_pool"):
+        return hooks
+    return FOREIGN
 
 
 def enter(pool: GatherPool | None, unit: Unit) -> None:
@@ -74,11 +86,15 @@ def enter(pool: GatherPool | None, unit: Unit) -> None:
     ``unit.saved_hooks``, ``None`` when nothing was installed, so that calls nest)."""
     hooks = None
     if pool is not None and torch.is_grad_enabled() and any(g.is_pooled for g in unit.groups):
-        if other_hooks_active():
+        active = active_hooks()
+        if active == FOREIGN:
             for g in unit.groups:
                 g.move_to_private()
         else:
-            hooks = make_hooks(pool)
+            outer = None  # an enclosing unit of this model: same pool, nothing to chain
+            if active is not None and active[0].flatshard_pool is not pool:
+                outer = active[0]  # another sharded model's unit encloses this one
+            hooks = make_hooks(pool, outer)
             hooks.__enter__()
     unit.saved_hooks.append(hooks)
 
