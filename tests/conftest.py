@@ -1,4 +1,6 @@
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -20,3 +22,12 @@ def dist_pools():
     yield get
     for pool in pools.values():
         pool.close()
+
+
+@pytest.fixture
+def copy_of(pristine, tmp_path) -> Path:
+    """A fresh copy of the module's ``pristine`` checkpoint (each checkpoint test module
+    defines ``pristine``: one save, shared by its tests), safe to corrupt."""
+    target = tmp_path / "ckpt"
+    shutil.copytree(pristine, target)
+    return target

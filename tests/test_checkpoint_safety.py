@@ -50,13 +50,6 @@ def pristine(dist_pools, tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture
-def copy_of(pristine, tmp_path) -> Path:
-    target = tmp_path / "ckpt"
-    shutil.copytree(pristine, target)
-    return target
-
-
 def _reseal(path: Path, name: str) -> None:
     """Update the manifest entry of ``name`` as an attacker would (checksums are no signature)."""
     manifest = json.loads((path / "MANIFEST.json").read_text())

@@ -16,6 +16,20 @@ import flatshard as fs
 from parity_models import Block, LoRAModel, TinyGPT, mesh_for, rel_err
 
 
+def _tiny_pair(strategy: str = "full_shard", **shard_kwargs) -> tuple[nn.Module, nn.Module]:
+    """A seeded TinyGPT reference and its sharded copy (one unit per Block)."""
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    model = fs.shard(
+        copy.deepcopy(ref),
+        policy=fs.wrap.by_type(Block),
+        strategy=strategy,
+        mesh=mesh_for(strategy),
+        **shard_kwargs,
+    )
+    return ref, model
+
+
 def _raises(exc_type, fn, *args, **kwargs) -> str:
     try:
         fn(*args, **kwargs)
@@ -193,14 +207,7 @@ def test_summon_full_params_writes_back_only_when_asked(dist_pools):
 
 
 def case_clip(norm_type: float, strategy: str) -> tuple[float, float]:
-    torch.manual_seed(0)
-    ref = TinyGPT()
-    model = fs.shard(
-        copy.deepcopy(ref),
-        policy=fs.wrap.by_type(Block),
-        strategy=strategy,
-        mesh=mesh_for(strategy),
-    )
+    ref, model = _tiny_pair(strategy)
     world, rank = dist.get_world_size(), dist.get_rank()
     batch = torch.randint(0, 50, (2 * world, 13))
     for net, data in ((model, batch.chunk(world)[rank]), (ref, batch)):
@@ -293,9 +300,7 @@ def _lm(net: nn.Module, data: torch.Tensor) -> torch.Tensor:
 def case_usage_patterns() -> dict[str, float]:
     """Accumulation over two backward calls, two forwards then one backward, a grad-enabled
     forward that never gets a backward followed by an optimizer step, and no-grad eval."""
-    torch.manual_seed(0)
-    ref = TinyGPT()
-    model = fs.shard(copy.deepcopy(ref), policy=fs.wrap.by_type(Block))
+    ref, model = _tiny_pair()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -332,14 +337,7 @@ def test_accumulation_multi_forward_stale_and_eval(dist_pools, world):
 
 def case_no_sync(keep: str, strategy: str) -> dict:
     """Two micro-batches per step, the first under no_sync; parity with the global batch."""
-    torch.manual_seed(0)
-    ref = TinyGPT()
-    model = fs.shard(
-        copy.deepcopy(ref),
-        policy=fs.wrap.by_type(Block),
-        strategy=strategy,
-        mesh=mesh_for(strategy),
-    )
+    ref, model = _tiny_pair(strategy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -613,11 +611,7 @@ def case_reshard_root() -> dict:
     is not gathered between forward and backward, and training still matches the reference."""
     out = {}
     for reshard_root in (False, True):
-        torch.manual_seed(0)
-        ref = TinyGPT()
-        model = fs.shard(
-            copy.deepcopy(ref), policy=fs.wrap.by_type(Block), reshard_root=reshard_root
-        )
+        ref, model = _tiny_pair(reshard_root=reshard_root)
         root = model._flatshard_state.units[-1]
         world, rank = dist.get_world_size(), dist.get_rank()
         stats, gathered_at_loss = model._flatshard_state.stats, []

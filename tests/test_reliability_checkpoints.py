@@ -66,13 +66,6 @@ def pristine(dist_pools, tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture
-def copy_of(pristine, tmp_path) -> Path:
-    target = tmp_path / "ckpt"
-    shutil.copytree(pristine, target)
-    return target
-
-
 def test_overwrite_killed_between_its_renames_keeps_the_previous(dist_pools, tmp_path, pristine):
     root = tmp_path / "checkpoints"
     root.mkdir()
