@@ -8,6 +8,7 @@ largest relative difference of the full state dicts (rank 0) and of the losses.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,14 +33,35 @@ class Block(nn.Module):
         self.qkv = nn.Linear(d, 3 * d, bias=False)  # a key bias has a zero gradient: noise
         self.proj = nn.Linear(d, d)
         self.mlp = MLP(d, ff)
+        # ``checkpoint_fn(fn, x)`` around parts of this forward (activation checkpointing
+        # inside a unit); ``checkpoint_parts``: "all" (one region), "both" (attention, then
+        # mlp) or "mlp" (the attention keeps its activations).
+        self.checkpoint_fn: Callable | None = None
+        self.checkpoint_parts = "all"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint_fn is None:
+            return self._body(x)
+        if self.checkpoint_parts == "all":
+            return self.checkpoint_fn(self._body, x)
+        if self.checkpoint_parts == "both":
+            x = self.checkpoint_fn(self._attention, x)
+        else:
+            x = self._attention(x)
+        return self.checkpoint_fn(self._mlp, x)
+
+    def _body(self, x: torch.Tensor) -> torch.Tensor:
+        return self._mlp(self._attention(x))
+
+    def _attention(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
         a = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
         )
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.mlp(self.ln2(x))
 
 
@@ -63,11 +85,14 @@ class TinyGPT(nn.Module):
         self.lnf = nn.LayerNorm(d)
         self.head = Head(d)
         self.head.proj.weight = self.emb.weight
+        # ``block_call(block, x)`` instead of ``block(x)``: activation checkpointing around
+        # the blocks, from the parent's forward.
+        self.block_call: Callable | None = None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.emb(idx) + self.pos(torch.arange(idx.shape[1]))
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if self.block_call is None else self.block_call(block, x)
         return self.head(self.lnf(x))
 
 
@@ -184,6 +209,50 @@ def _hf_llama() -> nn.Module:
     return LlamaForCausalLM(cfg)
 
 
+def _hf_qwen2() -> nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=43,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ + 1,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+    )
+    return Qwen2ForCausalLM(cfg)
+
+
+def _hf_neox() -> nn.Module:
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    cfg = GPTNeoXConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=43,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=SEQ + 1,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        initializer_range=0.2,
+    )
+    return GPTNeoXForCausalLM(cfg)
+
+
+def _hf_layer_policy(module_name: str, class_name: str):
+    def policy():
+        import importlib
+
+        cls = getattr(importlib.import_module(f"transformers.models.{module_name}"), class_name)
+        return fs.wrap.by_type(cls)
+
+    return policy
+
+
 def _gpt2_policy():
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
@@ -244,6 +313,18 @@ CASES: dict[str, Case] = {
     "reused_unit": Case(Reused, lambda: fs.wrap.by_type(Block), _regression(11), _mse_loss),
     "hf_gpt2": Case(_hf_gpt2, _gpt2_policy, _tokens, _hf_loss),
     "hf_llama": Case(_hf_llama, _llama_policy, _tokens, _hf_loss),
+    "hf_qwen2": Case(
+        _hf_qwen2,
+        _hf_layer_policy("qwen2.modeling_qwen2", "Qwen2DecoderLayer"),
+        _tokens,
+        _hf_loss,
+    ),
+    "hf_neox": Case(
+        _hf_neox,
+        _hf_layer_policy("gpt_neox.modeling_gpt_neox", "GPTNeoXLayer"),
+        _tokens,
+        _hf_loss,
+    ),
 }
 
 
@@ -288,27 +369,40 @@ def train_parity(
     steps: int = 5,
     rows_per_rank: int = 2,
     strategy: str = "full_shard",
-    recompute: bool = False,
+    recompute: bool | str = False,
+    *,
+    optimizer: Callable | None = None,
+    micro_batches: int = 1,
+    **shard_kwargs,
 ):
-    """On rank 0: dict(sd_err, loss_err, grad_err, none_mismatch, noisy_fraction)."""
+    """Per rank: dict(sd_err, loss_err, grad_err, none_mismatch, noisy_fraction); gradients
+    are this rank's fragments, the state dict (``sd_err``) is compared on rank 0 only (0.0
+    elsewhere).
+
+    ``recompute``: True for ``fs.checkpoint_activations`` of the unit modules, or the name of
+    an activation-checkpointing route of ``checkpoint_routes.ROUTES`` (applied to the sharded
+    copy only; the reference keeps its activations). ``optimizer(param_groups)`` builds both
+    optimizers (default AdamW). ``micro_batches`` > 1 accumulates them under ``fs.no_sync``."""
+    from checkpoint_routes import ROUTES
+
     case = CASES[name]
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     ref = case.build()
-    model = fs.shard(
-        copy.deepcopy(ref), policy=case.policy(), strategy=strategy, mesh=mesh_for(strategy)
-    )
-    if recompute:  # activation checkpointing of the same modules that became units
-        fs.checkpoint_activations(model, case.policy())
-    opt = torch.optim.AdamW(named_param_groups(model), lr=1e-3)
-    ref_opt = torch.optim.AdamW(named_param_groups(ref), lr=1e-3)
+    route = ROUTES["fs_checkpoint_activations" if recompute is True else recompute or "none"]
+    model = copy.deepcopy(ref)
+    route.before_shard(model)
+    policy = route.policy(case.policy())
+    fs.shard(model, policy=policy, strategy=strategy, mesh=mesh_for(strategy), **shard_kwargs)
+    route.after_shard(model, case.policy())
+    make_opt = optimizer or (lambda groups: torch.optim.AdamW(groups, lr=1e-3))
+    opt, ref_opt = make_opt(named_param_groups(model)), make_opt(named_param_groups(ref))
     loss_err, grad_err, none_mismatch = 0.0, 0.0, []
     noisy = {id(p): torch.zeros_like(p, dtype=torch.bool) for p in ref.parameters()}
     for step in range(steps):
         batch = case.batch(torch.Generator().manual_seed(step), rows_per_rank * world)
         local = batch.chunk(world)[rank]
-        loss = case.loss(model, local)
-        loss.backward()
+        loss = _sharded_backward(model, case, local, micro_batches)
         ref_loss = case.loss(ref, batch)
         ref_loss.backward()
         none_mismatch += _grad_none_mismatches(model, ref)
@@ -321,12 +415,11 @@ def train_parity(
         dist.all_reduce(mean_loss)
         loss_err = max(loss_err, rel_err(mean_loss / world, ref_loss.detach()))
     full = fs.full_state_dict(model)
-    if rank != 0:
-        return None
     ref_sd = ref.state_dict(keep_vars=True)
-    assert list(full) == list(ref_sd), f"keys differ: {list(full)} vs {list(ref_sd)}"
+    if rank == 0:
+        assert list(full) == list(ref_sd), f"keys differ: {list(full)} vs {list(ref_sd)}"
     sd_err = 0.0
-    for key, value in ref_sd.items():
+    for key, value in ref_sd.items() if rank == 0 else ():
         keep = ~noisy[id(value)] if id(value) in noisy else torch.ones_like(value, dtype=torch.bool)
         sd_err = max(sd_err, rel_err(full[key][keep], value.detach()[keep]))
     total = sum(m.numel() for m in noisy.values())
@@ -340,6 +433,35 @@ def train_parity(
     )
 
 
+def check_parity(results: list[dict], label: str, tolerance: float = 1e-5) -> None:
+    """Assert ``train_parity``'s per-rank results: every rank's gradients and None-ness, rank
+    0's state dict and losses, and a rare noise floor."""
+    for rank, r in enumerate(results):
+        assert r["none_mismatch"] == [], f"{label} rank {rank}: None-ness {r['none_mismatch']}"
+        assert r["grad_err"] <= tolerance, f"{label} rank {rank}: grad err {r['grad_err']:.2e}"
+    r = results[0]
+    assert r["sd_err"] <= tolerance, f"{label}: params rel err {r['sd_err']:.2e}"
+    assert r["loss_err"] <= tolerance, f"{label}: loss rel err {r['loss_err']:.2e}"
+    assert r["noisy_fraction"] < 0.01, f"{label}: {r['noisy_fraction']:.1%} at the noise floor"
+
+
+def _sharded_backward(model: nn.Module, case: Case, local: torch.Tensor, micro: int):
+    """Backward of this rank's rows, split into ``micro`` micro-batches accumulated under
+    ``fs.no_sync`` (the last one outside it); returns the loss of the whole slice."""
+    if micro == 1:
+        loss = case.loss(model, local)
+        loss.backward()
+        return loss
+    total = torch.zeros(())
+    for i, part in enumerate(local.chunk(micro)):
+        context = fs.no_sync(model) if i < micro - 1 else contextlib.nullcontext()
+        with context:
+            loss = case.loss(model, part) / micro
+            loss.backward()
+        total += loss.detach()
+    return total
+
+
 def _mark_noise_floor(ref: nn.Module, noisy: dict) -> None:
     for p in ref.parameters():
         if p.grad is not None and p.grad.numel():
@@ -351,7 +473,7 @@ def _max_grad_err(model: nn.Module, ref: nn.Module) -> float:
     """Largest relative error of this rank's gradient fragments against the reference's."""
     state = model._flatshard_state
     ref_params = dict(ref.named_parameters())
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = {id(p): n for n, p in plain_named_parameters(model)}
     worst = 0.0
     for unit in state.units:
         for group in unit.groups:
@@ -371,6 +493,13 @@ def _grad_none_mismatches(model: nn.Module, ref: nn.Module) -> list[str]:
     ref_params = dict(ref.named_parameters())
     return [
         name
-        for name, p in model.named_parameters()
+        for name, p in plain_named_parameters(model)
         if (p.grad is None) != (ref_params[name].grad is None)
     ]
+
+
+def plain_named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``named_parameters()`` without the prefix torch's ``CheckpointWrapper`` inserts (its
+    state dict hooks drop it too)."""
+    prefix = "_checkpoint_wrapped_module."
+    return [(name.replace(prefix, ""), p) for name, p in model.named_parameters()]

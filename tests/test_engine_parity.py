@@ -2,44 +2,42 @@
 
 import pytest
 
-from parity_models import CASES, train_parity
+from parity_models import CASES, check_parity, train_parity
 
-TOLERANCE = 1e-5
+# hf_qwen2 (tied, q/k/v biases) sits at AdamW's noise floor (4.5e-5 on params after 5 steps
+# even without flatshard's extras): its parity runs with SGD in test_user_checkpointing.
+ADAMW_CASES = sorted(set(CASES) - {"hf_qwen2"})
 
 
 HARD_CASES = ["gpt_tied", "lora", "unused", "reused_unit", "hf_gpt2", "hf_llama"]
 
 
-def _check(r: dict, name: str, world: int) -> None:
-    assert r["none_mismatch"] == [], f"grad None-ness differs for {r['none_mismatch']}"
-    assert r["grad_err"] <= TOLERANCE, f"{name} at world {world}: grad rel err {r['grad_err']:.2e}"
-    assert r["sd_err"] <= TOLERANCE, f"{name} at world {world}: params rel err {r['sd_err']:.2e}"
-    assert r["loss_err"] <= TOLERANCE, f"{name} at world {world}: loss rel err {r['loss_err']:.2e}"
-    assert r["noisy_fraction"] < 0.01, f"{r['noisy_fraction']:.1%} of elements at the noise floor"
+def _check(results: list[dict], name: str, world: int) -> None:
+    check_parity(results, f"{name} at world {world}")
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", ADAMW_CASES)
 def test_full_shard_matches_single_process(dist_pools, name, world):
-    _check(dist_pools(world).run(train_parity, name)[0], name, world)
+    _check(dist_pools(world).run(train_parity, name), name, world)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("strategy", ["shard_grad_op", "no_shard"])
 @pytest.mark.parametrize("name", HARD_CASES)
 def test_other_strategies_match_single_process(dist_pools, name, strategy, world):
-    _check(dist_pools(world).run(train_parity, name, 5, 2, strategy)[0], name, world)
+    _check(dist_pools(world).run(train_parity, name, 5, 2, strategy), name, world)
 
 
 @pytest.mark.parametrize("name", HARD_CASES)
 def test_hybrid_shard_2x2_matches_single_process(dist_pools, name):
-    _check(dist_pools(4).run(train_parity, name, 5, 2, "hybrid_shard")[0], name, 4)
+    _check(dist_pools(4).run(train_parity, name, 5, 2, "hybrid_shard"), name, 4)
 
 
 @pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op"])
 @pytest.mark.parametrize("name", ["gpt_tied", "gpt_nested_units", "reused_unit", "hf_llama"])
 def test_activation_checkpointing_matches_single_process(dist_pools, name, strategy):
-    _check(dist_pools(2).run(train_parity, name, 5, 2, strategy, True)[0], name, 2)
+    _check(dist_pools(2).run(train_parity, name, 5, 2, strategy, True), name, 2)
 
 
 def pieces_parity(name: str, strategy: str = "full_shard", recompute: bool = False):
@@ -57,7 +55,7 @@ def pieces_parity(name: str, strategy: str = "full_shard", recompute: bool = Fal
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("name", [*HARD_CASES, "gpt_nested_units"])
 def test_reduce_from_pieces_matches_single_process(dist_pools, name, world):
-    _check(dist_pools(world).run(pieces_parity, name)[0], name, world)
+    _check(dist_pools(world).run(pieces_parity, name), name, world)
 
 
 @pytest.mark.parametrize(
@@ -70,4 +68,4 @@ def test_reduce_from_pieces_matches_single_process(dist_pools, name, world):
     ],
 )
 def test_reduce_from_pieces_other_setups(dist_pools, name, strategy, recompute, world):
-    _check(dist_pools(world).run(pieces_parity, name, strategy, recompute)[0], name, world)
+    _check(dist_pools(world).run(pieces_parity, name, strategy, recompute), name, world)

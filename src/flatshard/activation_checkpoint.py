@@ -1,17 +1,11 @@
 """Activation checkpointing that composes with sharding.
 
 ``fs.checkpoint_activations(model, policy)`` makes every matched module recompute its forward
-during backward instead of keeping its activations (torch's non-reentrant checkpoint).
-
-[Note: recomputation inside backward]
-The recomputation calls the module's forward again, in the middle of backward, so it must see
-full parameters. A unit's pre-backward hook (which always fires before any backward node inside
-the unit) therefore installs "recompute views": detached full-shape views of the gathered
-buffer that require grad (so the recomputed ops save exactly the tensors the first forward
-saved), and the unit's post-backward puts the fragments back. Forward hooks that fire *during*
-backward (a nested unit called by the recomputed code) only make sure the unit is gathered and
-install the same views: no new autograd node, no reshard, no output hooks. Gradients still
-flow through the graph of the first forward, to that forward's ``UnitViews`` node.
+during backward instead of keeping its activations (torch's non-reentrant checkpoint around
+the module's forward). Every other route (``torch.utils.checkpoint``, torch's composable
+``checkpoint``, ``CheckpointWrapper``, Hugging Face's ``gradient_checkpointing_enable``) works
+as well; see [Note: recomputation] in ``recompute.py``. Checkpointing one module twice would
+recompute it twice per step, so a module already checkpointed by another route is refused.
 """
 
 from __future__ import annotations
@@ -31,11 +25,17 @@ MARK = "_flatshard_checkpointed"
 def checkpoint_activations(model: nn.Module, policy: Policy) -> int:
     """Recompute the forward of every submodule matched by ``policy`` in backward; returns how
     many modules were wrapped. Call it after ``fs.shard``. ``ValueError`` if nothing matched."""
-    state = get_state(model)
+    get_state(model)  # fs.shard first: the recompute views come from its hooks
     wrapped = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
         if module is model or getattr(module, MARK, False) or not policy(module):
             continue
+        if (route := _checkpointed_by(module)) is not None:
+            raise ValueError(
+                f"checkpoint_activations: {name!r} ({type(module).__name__}) is already "
+                f"checkpointed by {route}; checkpointing it twice recomputes it twice per "
+                "step. Use one route: drop the other one or this call"
+            )
         module.forward = functools.partial(_checkpointed_forward, module.forward)
         setattr(module, MARK, True)
         wrapped += 1
@@ -44,8 +44,29 @@ def checkpoint_activations(model: nn.Module, policy: Policy) -> int:
             f"checkpoint_activations(policy={policy!r}) matched no submodule of "
             f"{type(model).__name__}; pass e.g. fs.wrap.by_type(YourBlock)"
         )
-    state.recompute_in_backward = True
     return wrapped
+
+
+def _checkpointed_by(module: nn.Module) -> str | None:
+    """The other activation-checkpointing route applied to ``module``, if one is."""
+    if type(module).__name__ == "CheckpointWrapper" or hasattr(
+        module, "_checkpoint_wrapped_module"
+    ):
+        return "torch's CheckpointWrapper (apply_activation_checkpointing)"
+    if _has_composable(module):
+        return "torch.distributed._composable.checkpoint"
+    if getattr(module, "gradient_checkpointing", False) is True:
+        return "Hugging Face's gradient_checkpointing_enable()"
+    return None
+
+
+def _has_composable(module: nn.Module) -> bool:
+    try:
+        from torch.distributed._composable.contract import _get_registry
+    except ImportError:  # older torch: no registry to ask
+        return False
+    registry = _get_registry(module)
+    return registry is not None and "checkpoint" in registry
 
 
 def _checkpointed_forward(forward, *args, **kwargs):

@@ -5,7 +5,8 @@ Flow per unit and iteration:
                 full-shape views; with grad enabled the views come out of one ``UnitViews``
                 autograd node per unit call
   post-forward  reinstall fragments, reshard (full_shard), hook the outputs' gradients
-  pre-backward  (first gradient reaching an output) gather again, prefetch the next unit
+  pre-backward  (first gradient reaching an output) gather again, prefetch the next unit,
+                install recompute views (see [Note: recomputation] in ``recompute.py``)
   post-backward ``UnitViews.backward`` runs once all of this call's parameter gradients exist:
                 flatten them, and when the unit's last forward call is accounted for,
                 reduce-scatter and reshard
@@ -29,43 +30,54 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
-from . import saved_views
+from . import recompute, saved_views
 from .precision import MixedPrecision, cast_floating
+from .recompute import Call, CallKind
 from .state import ShardedState
 from .unit import Unit
 
 
 class UnitViews(torch.autograd.Function):
-    """Hands out full-shape views of a unit's gathered buffers; its backward is post-backward."""
+    """Hands out full-shape views of a unit's gathered buffers; its backward is post-backward.
+
+    ``counted``: the node of a forward call, whose backward the unit waits for before it
+    reduces (``GradState.pending_nodes``). Uncounted nodes hand out the views of a
+    recomputation (see [Note: recomputation] in ``recompute.py``): their backward only runs
+    when a reentrant checkpoint backpropagates through the recomputed graph, and then adds
+    its gradients to the unit's."""
 
     @staticmethod
-    def forward(ctx, anchor: torch.Tensor, state: ShardedState, unit: Unit):  # type: ignore[override]
+    def forward(ctx, anchor: torch.Tensor, state: ShardedState, unit: Unit, counted: bool):  # type: ignore[override]
         del anchor  # only there so that autograd calls backward
-        ctx.state, ctx.unit = state, unit
+        ctx.state, ctx.unit, ctx.counted = state, unit, counted
         ctx.set_materialize_grads(False)
         return tuple(v for gi in unit.trainable_groups for v in unit.groups[gi].full_views())
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
-        on_unit_grads(ctx.state, ctx.unit, grads)
-        return None, None, None
+        if ctx.counted:
+            on_unit_grads(ctx.state, ctx.unit, grads)
+        else:
+            accumulate_grads(ctx.state, ctx.unit, grads, final=False)
+        return None, None, None, None
 
 
-def in_backward() -> bool:
-    """True while the autograd engine runs a backward pass (a forward now = recomputation)."""
-    return torch._C._current_graph_task_id() != -1
-
-
-def make_views(state: ShardedState, unit: Unit) -> list[list[torch.Tensor]]:
-    """Full-shape views per group; autograd-connected when a backward may follow."""
+def make_views(
+    state: ShardedState, unit: Unit, *, counted: bool = True
+) -> tuple[list[list[torch.Tensor]], Any]:
+    """Full-shape views per group, autograd-connected when a backward may follow; and the
+    ``UnitViews`` node they come from (None without one)."""
     views = [g.full_views() for g in unit.groups]
     trainable = unit.trainable_groups
-    if trainable and torch.is_grad_enabled():
-        outs = iter(UnitViews.apply(unit.anchor, state, unit))
-        for gi in trainable:
-            views[gi] = [next(outs) for _ in unit.groups[gi].specs]
+    if not (trainable and torch.is_grad_enabled()):
+        return views, None
+    outs = UnitViews.apply(unit.anchor, state, unit, counted)
+    it = iter(outs)
+    for gi in trainable:
+        views[gi] = [next(it) for _ in unit.groups[gi].specs]
+    if counted:
         unit.grad.pending_nodes += 1
-    return views
+    return views, outs[0].grad_fn
 
 
 def register_hooks(state: ShardedState) -> list[Any]:
@@ -104,36 +116,49 @@ def register_precision_casts(model: nn.Module, mp: MixedPrecision) -> list[Any]:
 def _pre_forward(state: ShardedState, unit: Unit, module, args, kwargs):
     if state.summoned:  # full parameters are already installed; no collective may run
         return None
-    if state.recompute_in_backward and in_backward():  # activation-checkpoint recomputation
-        state.ensure_gathered(unit)
-        unit.install_views(recompute_views(unit))
-        return None
-    state.forward_order.observe(unit)
+    kind = recompute.classify_call(unit)
     state.ensure_gathered(unit)
-    state.prefetch(state.forward_order.after(unit, state.prefetch_policy.forward))
+    if kind is CallKind.RECOMPUTE:  # gradients flow through the first forward's graph
+        unit.install_views(recompute_views(state, unit))
+        unit.calls.append(Call(kind))
+        return None
+    if kind is CallKind.FORWARD:
+        state.forward_order.observe(unit)
+        state.prefetch(state.forward_order.after(unit, state.prefetch_policy.forward))
     saved_views.enter(state.pool, unit)
-    unit.install_views(make_views(state, unit))
+    views, node = make_views(state, unit)
+    unit.install_views(views)
     unit.forward_depth += 1
+    unit.calls.append(Call(kind, node))
     return None
 
 
 def _post_forward(state: ShardedState, unit: Unit, module, args, kwargs, output):
-    if state.summoned or (state.recompute_in_backward and in_backward()):
+    if state.summoned:
+        return None
+    call = unit.calls.pop() if unit.calls else Call(CallKind.FORWARD)
+    if call.kind is CallKind.RECOMPUTE:  # views stay until this unit's post-backward
         return None
     saved_views.leave(unit)
     unit.forward_depth = max(0, unit.forward_depth - 1)
     if unit.forward_depth == 0:  # not inside an outer call of the same unit (register_method)
         unit.install_fragments()
         # The last unit of the forward is the first of the backward: keep it (one regather
-        # less per step). Only with grad: a no-grad forward has no backward to wait for.
+        # less per step). Only with grad: a no-grad forward has no backward to wait for. A
+        # reentrant recomputation is backpropagated right away: keep it too.
         last = state.forward_order.is_last(unit)
-        keep = torch.is_grad_enabled() and last
+        keep = call.kind is CallKind.REENTRANT or (torch.is_grad_enabled() and last)
         if unit.reshard_after_forward and not keep:
             unit.reshard(state.timeout)
-        if last and state.pool is not None:
+        if last and state.pool is not None and call.kind is CallKind.FORWARD:
             state.pool.trim()
     if torch.is_grad_enabled() and unit.grad.pending_nodes > 0:
         _hook_output_grads(state, unit, output)
+    if call.node is not None and not recompute.reaches(output, call.node):
+        # Nothing of the output depends on the views (a reentrant checkpoint inside the
+        # unit ran them under no_grad): this call's node will never run; its gradients come
+        # from the recomputation, and the unit's inputs tell when they are complete.
+        recompute.post_backward_on_inputs((args, kwargs), partial(_call_done, state, unit))
     return None
 
 
@@ -150,20 +175,22 @@ def _pre_backward(state: ShardedState, unit: Unit, grad: torch.Tensor) -> None:
     state.ensure_gathered(unit)
     if state.prefetch_policy.backward == "pre":
         state.prefetch(state.backward_order.after(unit))
-    if state.recompute_in_backward:
-        unit.install_views(recompute_views(unit))
+    unit.install_views(recompute_views(state, unit))
 
 
-def recompute_views(unit: Unit) -> list[list[torch.Tensor]]:
-    """Full views for a forward recomputed in backward: leaves that require grad exactly where
-    the parameters do, so recomputation saves the same tensors as the first forward did."""
-    return [
-        [v.detach().requires_grad_(g.requires_grad) for v in g.full_views()] for g in unit.groups
-    ]
+def recompute_views(state: ShardedState, unit: Unit) -> list[list[torch.Tensor]]:
+    """Full views for a forward recomputed in backward (activation checkpointing): outputs of
+    an uncounted ``UnitViews`` node, so the recomputed ops save exactly the tensors the first
+    forward saved, and a reentrant checkpoint's nested backward hands their gradients to the
+    unit. Installed by every pre-backward: a recomputation inside the unit's own forward code
+    fires no hook of ours."""
+    with torch.enable_grad():
+        return make_views(state, unit, counted=False)[0]
 
 
-def on_unit_grads(state: ShardedState, unit: Unit, grads: tuple) -> None:
-    """Post-backward of one unit call: accumulate its gradients; reduce after the last call."""
+def accumulate_grads(state: ShardedState, unit: Unit, grads: tuple, *, final: bool) -> None:
+    """Add one node's per-parameter gradients to the unit's. ``final``: the node of the unit's
+    last forward call, whose gradients may be reduced straight from the pieces."""
     _queue_final_callback(state)
     offset = 0
     for gi in unit.trainable_groups:
@@ -175,6 +202,7 @@ def on_unit_grads(state: ShardedState, unit: Unit, grads: tuple) -> None:
         previous = unit.grad.flat_grads[gi]
         if (
             previous is None
+            and final
             and _reduce_right_away(state, unit)
             and group.reduces_pieces(state.topology)
         ):
@@ -183,12 +211,22 @@ def on_unit_grads(state: ShardedState, unit: Unit, grads: tuple) -> None:
             flat = group.flat_grad_from(mine)
             unit.grad.flat_grads[gi] = flat if previous is None else previous.add_(flat)
         unit.grad.used[gi] |= torch.tensor([g is not None for g in mine])
+
+
+def on_unit_grads(state: ShardedState, unit: Unit, grads: tuple) -> None:
+    """Post-backward of one unit call: accumulate its gradients; reduce after the last call."""
+    accumulate_grads(state, unit, grads, final=True)
+    _call_done(state, unit)
+
+
+def _call_done(state: ShardedState, unit: Unit) -> None:
+    """One forward call's backward is over; after the last one, reduce and reshard."""
+    _queue_final_callback(state)
     unit.grad.pending_nodes = max(0, unit.grad.pending_nodes - 1)
     if unit.grad.pending_nodes == 0:
         if not state.defer_reduce:
             state.launch_reduce(unit)
-        if state.recompute_in_backward:
-            unit.install_fragments()
+        unit.install_fragments()
         unit.reshard(state.timeout)
         if state.prefetch_policy.backward == "post":
             state.prefetch(state.backward_order.after(unit))

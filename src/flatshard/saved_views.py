@@ -63,12 +63,15 @@ def make_hooks(
 
 
 FOREIGN = "foreign"
+CHECKPOINT = "checkpoint"
 
 
 def active_hooks() -> tuple[Callable, Callable] | str | None:
     """The saved-tensor hooks active now: None, flatshard's own (pack, unpack) of an enclosing
-    unit, or ``FOREIGN`` for someone else's (``save_on_cpu``, ...), which ours would shadow.
-    If torch does not say, assume foreign."""
+    unit, ``CHECKPOINT`` for torch's non-reentrant checkpoint (it keeps no saved tensor: the
+    recomputation in backward reads the buffer of that moment), or ``FOREIGN`` for someone
+    else's (``save_on_cpu``, ...), which ours would shadow. If torch does not say, assume
+    foreign."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     if top is None:
         return FOREIGN
@@ -78,6 +81,8 @@ def active_hooks() -> tuple[Callable, Callable] | str | None:
         hooks = top()
     if hooks is None or hasattr(hooks[0], "flatshard_pool"):
         return hooks
+    if getattr(hooks[0], "__qualname__", "").startswith("_checkpoint_hook."):
+        return CHECKPOINT
     return FOREIGN
 
 
@@ -87,7 +92,9 @@ def enter(pool: GatherPool | None, unit: Unit) -> None:
     hooks = None
     if pool is not None and torch.is_grad_enabled() and any(g.is_pooled for g in unit.groups):
         active = active_hooks()
-        if active == FOREIGN:
+        if active == CHECKPOINT:  # pooled buffers are safe: nothing of theirs is saved
+            pass
+        elif active == FOREIGN:
             for g in unit.groups:
                 g.move_to_private()
         else:

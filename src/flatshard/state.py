@@ -96,7 +96,6 @@ class ShardedState:
         self.hook_handles: list = []  # forward hooks on the unit modules
         self.summoned = False  # inside summon_full_params: hooks stand aside
         self.defer_reduce = False  # inside no_sync(keep="unsharded"): keep flat gradients
-        self.recompute_in_backward = False  # fs.checkpoint_activations was applied
         self.mixed_precision = None  # fs.MixedPrecision or None
         self.pool: GatherPool | None = None  # reused gather buffers, see enable_gather_pool
         self.gathered_bytes = GatheredBytes()
@@ -137,7 +136,7 @@ class ShardedState:
 
     def reshard_all(self) -> None:
         for unit in self.units:
-            if self.recompute_in_backward and not self.summoned:
+            if not self.summoned:
                 unit.install_fragments()  # recompute views may still be installed
             if unit.state is not ParamState.SHARDED:
                 unit.reshard(self.timeout)

@@ -97,6 +97,7 @@ class Unit:
         self.state = ParamState.SHARDED
         self.forward_depth = 0  # nested calls in progress (a registered method calling forward)
         self.saved_hooks: list = []  # per forward call in progress, see saved_views.enter
+        self.calls: list = []  # per forward call in progress: a recompute.Call
         self._gather_work: list[PendingWork] = []
         self._gathered_versions: list[int] = []
         self.grad = GradState()
