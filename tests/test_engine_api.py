@@ -206,14 +206,16 @@ def test_summon_full_params_writes_back_only_when_asked(dist_pools):
     assert results[0]["written"] == 1.0 and results[0]["discarded"] == 1.0
 
 
-def case_clip(norm_type: float, strategy: str) -> tuple[float, float]:
+def case_clip(norm_type: float, strategy: str, form: str = "model") -> tuple[float, float]:
     ref, model = _tiny_pair(strategy)
     world, rank = dist.get_world_size(), dist.get_rank()
     batch = torch.randint(0, 50, (2 * world, 13))
     for net, data in ((model, batch.chunk(world)[rank]), (ref, batch)):
         logits = net(data[:, :-1])
         nn.functional.cross_entropy(logits.flatten(0, 1), data[:, 1:].flatten()).backward()
-    total = fs.clip_grad_norm_(model, 0.1, norm_type=norm_type)
+    # torch's signature: the model's parameters (a generator), the for-loop norm; or the model
+    target = model if form == "model" else model.parameters()
+    total = fs.clip_grad_norm_(target, 0.1, norm_type=norm_type, foreach=form != "params_loop")
     ref_total = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1, norm_type=norm_type)
     # Compare the clipped gradients through one SGD step.
     torch.optim.SGD(model.parameters(), lr=1.0).step()
@@ -229,6 +231,12 @@ def case_clip(norm_type: float, strategy: str) -> tuple[float, float]:
 )
 def test_clip_grad_norm_matches_torch_on_the_reference(dist_pools, norm_type, strategy, world):
     for norm_err, sd_err in dist_pools(world).run(case_clip, norm_type, strategy):
+        assert norm_err <= 1e-6 and sd_err <= 1e-6
+
+
+@pytest.mark.parametrize("form", ["params", "params_loop"])
+def test_clip_grad_norm_takes_parameters_like_torch(dist_pools, form):
+    for norm_err, sd_err in dist_pools(3).run(case_clip, 2.0, "full_shard", form):
         assert norm_err <= 1e-6 and sd_err <= 1e-6
 
 

@@ -21,12 +21,14 @@ from .grad_norm import clip_grad_norm_
 from .grad_scaler import GradScaler
 from .methods import register_method
 from .offload import CPUOffload
+from .params import FragmentInfo, fragment_info, full_shape
 from .precision import MixedPrecision
 from .prefetch import Prefetch
 from .state_dict import full_state_dict, load_full_state_dict, summon_full_params
 
 __all__ = [
     "CPUOffload",
+    "FragmentInfo",
     "GradScaler",
     "MixedPrecision",
     "Prefetch",
@@ -36,6 +38,8 @@ __all__ = [
     "clip_grad_norm_",
     "export_checkpoint",
     "export_safetensors",
+    "fragment_info",
+    "full_shape",
     "full_state_dict",
     "latest_checkpoint",
     "load",

@@ -16,6 +16,8 @@ from .fingerprint import check_ranks_agree
 from .mesh import Topology, require_initialized, resolve_topology
 from .meta_init import InitFn, check_nothing_on_meta, has_meta, materialize_unit
 from .offload import CPUOffload
+from .optim.guard import guard_optimizers
+from .params import tag_fragments
 from .precision import MixedPrecision
 from .prefetch import Prefetch
 from .state import ShardedState
@@ -103,6 +105,8 @@ def shard(
                 continue
             dtype = buffer_dtype if buffer_dtype and buf.is_floating_point() else buf.dtype
             buf_module._buffers[name] = buf.to(topology.device, dtype)
+    tag_fragments(state)
+    guard_optimizers()
     state.hook_handles = hooks.register_hooks(state)
     if mixed_precision is not None:
         state.hook_handles += hooks.register_precision_casts(model, mixed_precision)

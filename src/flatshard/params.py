@@ -1,0 +1,117 @@
+"""What each sharded parameter was: its name, its full shape, which part of it this rank holds.
+
+After ``fs.shard`` every parameter the optimizer sees is a 1-D *fragment* of this rank's shard,
+so code that reads ``p.dim()`` or ``p.shape`` (weight-decay grouping, Muon's "2-D only",
+per-matrix learning rates) would read the fragment's. ``fs.full_shape(p)`` and
+``fs.fragment_info(model)`` give back the original facts, so such code ports in one line:
+``p.dim() >= 2`` becomes ``len(fs.full_shape(p)) >= 2``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from .state import ShardedState
+
+TAG = "_flatshard_fragment"  # attribute of every fragment: its FragmentTag
+
+
+@dataclass(frozen=True)
+class FragmentTag:
+    """Stored on each fragment ``nn.Parameter`` by ``fs.shard``."""
+
+    full_shape: torch.Size
+    flat_range: tuple[int, int]  # elements [start, end) of the flattened full parameter
+    unit: int
+    state: weakref.ReferenceType  # the ShardedState of the model the fragment belongs to
+
+
+@dataclass(frozen=True)
+class FragmentInfo:
+    """One parameter of a sharded model, as ``fs.fragment_info`` reports it."""
+
+    name: str
+    """Its name in ``model.named_parameters()`` (the first one, for tied parameters)."""
+    full_shape: torch.Size
+    """The shape of the original, unsharded parameter."""
+    flat_range: tuple[int, int]
+    """The elements ``[start, end)`` of the flattened full parameter this rank holds (empty
+    when ``start == end``)."""
+    unit: int
+    """Index of the unit that gathers it."""
+    fragment: nn.Parameter
+    """This rank's 1-D fragment (what the optimizer steps on)."""
+
+    @property
+    def full_ndim(self) -> int:
+        return len(self.full_shape)
+
+
+def tag_fragments(state: ShardedState) -> None:
+    """Give every fragment of ``state``'s units its ``FragmentTag`` (called by ``fs.shard``)."""
+    ref = weakref.ref(state)
+    for unit in state.units:
+        for group in unit.groups:
+            for spec in group.specs:
+                tag = FragmentTag(spec.shape, group.fragment_range(spec), unit.index, ref)
+                setattr(spec.fragment, TAG, tag)
+
+
+def fragment_tag(param: torch.Tensor) -> FragmentTag | None:
+    """The tag of a flatshard fragment; None for any other tensor."""
+    return getattr(param, TAG, None)
+
+
+def is_fragment(param: torch.Tensor) -> bool:
+    return fragment_tag(param) is not None
+
+
+def full_shape(param: torch.Tensor) -> torch.Size:
+    """The shape ``param`` had before ``fs.shard`` (its own shape if it is not a fragment)."""
+    tag = fragment_tag(param)
+    return param.shape if tag is None else tag.full_shape
+
+
+def fragment_info(model: nn.Module) -> dict[str, FragmentInfo]:
+    """Name -> ``FragmentInfo`` for every parameter of a sharded model, in
+    ``named_parameters()`` order. ``ValueError`` if ``model`` is not sharded."""
+    from .api import get_state
+
+    get_state(model)
+    out = {}
+    for name, p in model.named_parameters():
+        tag = fragment_tag(p)
+        if tag is None:
+            raise ValueError(
+                f"parameter {name!r} of {type(model).__name__} is not a flatshard fragment "
+                "(was it added after fs.shard?); register parameters before sharding"
+            )
+        out[name] = FragmentInfo(name, tag.full_shape, tag.flat_range, tag.unit, p)
+    return out
+
+
+def state_of_parameters(params: list[torch.Tensor], where: str) -> ShardedState:
+    """The one sharded model ``params`` belong to; ``ValueError`` for plain tensors or a mix."""
+    states = []
+    for i, p in enumerate(params):
+        tag = fragment_tag(p)
+        state = tag.state() if tag is not None else None
+        if state is None:
+            raise ValueError(
+                f"{where}: parameter {i} (shape {tuple(p.shape)}) is not a fragment of a "
+                "sharded model; pass model.parameters() of a model that went through fs.shard"
+            )
+        if not any(s is state for s in states):
+            states.append(state)
+    if len(states) != 1:
+        raise ValueError(
+            f"{where}: the parameters belong to {len(states)} sharded models; call it once "
+            "per model"
+        )
+    return states[0]
