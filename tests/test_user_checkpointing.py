@@ -88,42 +88,53 @@ def test_routes_with_prefetch_no_sync_and_offload(dist_pools, extras):
     _run_and_check(dist_pools(2), ["gpt_tied", "gpt_nested_units"], ROUTE_SAMPLE, **extras)
 
 
-def _route_model(route: str, layers: int = 4, d: int = 48) -> torch.nn.Module:
-    from parity_models import Block
+def _route_model(route: str, model_name: str = "tiny", layers: int = 4, d: int = 48):
+    """(sharded model, loss function, batch maker, the MLP class to count) for a route."""
+    from parity_models import CASES, MLP, Block, _lm_loss, _tokens
 
     torch.manual_seed(0)
-    model = TinyGPT(layers=layers, d=d)
+    if model_name == "tiny":
+        model, policy, loss, mlp = (
+            TinyGPT(layers=layers, d=d),
+            fs.wrap.by_type(Block),
+            _lm_loss,
+            MLP,
+        )
+    else:
+        case = CASES[model_name]
+        model, policy, loss = case.build(), case.policy(), case.loss
+        mlp = type(model.model.layers[0].mlp)
     ROUTES[route].before_shard(model)
-    fs.shard(model, policy=ROUTES[route].policy(fs.wrap.by_type(Block)))
-    ROUTES[route].after_shard(model, fs.wrap.by_type(Block))
-    return model
+    fs.shard(model, policy=ROUTES[route].policy(policy))
+    ROUTES[route].after_shard(model, policy)
+    return model, loss, _tokens, mlp
 
 
 def _gathered_ptrs(state) -> set[int]:
     return {b.untyped_storage().data_ptr() for b in state.gathered_buffers()}
 
 
-def case_step_costs(routes: list[str]) -> dict:
+def case_step_costs(routes: list[str], model_name: str = "tiny", size: tuple = (4, 48)) -> dict:
     """Per route, on the second step: collectives, MLP forward runs, and live tensor bytes
-    (gathered buffers excluded) at the end of forward and at the peak of the step."""
+    (gathered buffers excluded) at the end of forward and at the peak of the step, and the
+    peak of gathered bytes."""
     from flatshard.estimate.measure import LiveBytes
-    from parity_models import MLP, _lm_loss, _tokens
 
     out = {}
     for route in routes:
-        model = _route_model(route)
+        model, loss_fn, tokens, mlp = _route_model(route, model_name, *size)
         state = model._flatshard_state
         runs: list[int] = []
         for m in model.modules():
-            if isinstance(m, MLP):
+            if isinstance(m, mlp):
                 m.register_forward_pre_hook(lambda *_, runs=runs: runs.append(1))
-        batch = _tokens(torch.Generator().manual_seed(0), 4)
+        batch = tokens(torch.Generator().manual_seed(0), 4)
         for _ in range(2):  # the second step runs with the recorded prefetch orders
             state.stats.reset()
             state.gathered_bytes.peak = state.gathered_bytes.current
             runs.clear()
             with LiveBytes(functools.partial(_gathered_ptrs, state), lambda: 0) as live:
-                loss = _lm_loss(model, batch)
+                loss = loss_fn(model, batch)
                 after_forward = live.current
                 loss.backward()
             model.zero_grad()
@@ -167,20 +178,14 @@ def test_recomputation_regathers_nothing_and_saves_what_fs_checkpointing_saves(d
 
 def case_double_checkpointing() -> dict:
     """fs.checkpoint_activations on blocks another route already checkpoints: refused."""
-    from parity_models import Block
+    from parity_models import CASES, Block
 
     errors = {}
     for route in ["composable", "checkpoint_wrapper_unit", "hf_nonreentrant"]:
-        model = _route_model(route) if route != "hf_nonreentrant" else None
-        if model is None:
-            from parity_models import CASES
-
-            model = CASES["hf_llama"].build()
-            ROUTES[route].before_shard(model)
-            policy = CASES["hf_llama"].policy()
-            fs.shard(model, policy=policy)
-        else:
-            policy = ROUTES[route].policy(fs.wrap.by_type(Block))
+        name = "hf_llama" if route.startswith("hf_") else "tiny"
+        model = _route_model(route, name)[0]
+        base = CASES[name].policy() if name != "tiny" else fs.wrap.by_type(Block)
+        policy = ROUTES[route].policy(base)
         try:
             fs.checkpoint_activations(model, policy)
             errors[route] = ""
@@ -195,3 +200,42 @@ def test_checkpointing_a_module_twice_is_refused(dist_pools):
     assert "CheckpointWrapper" in errors["checkpoint_wrapper_unit"]
     assert "gradient_checkpointing_enable" in errors["hf_nonreentrant"]
     assert all("Use one route" in e for e in errors.values()), errors
+
+
+def _train_mp(route: str) -> dict:
+    from parity_models import Block, _lm_loss, _tokens
+
+    torch.manual_seed(0)
+    model = TinyGPT(layers=3)
+    ROUTES[route].before_shard(model)
+    mp = fs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    policy = fs.wrap.by_type(Block)
+    fs.shard(model, policy=ROUTES[route].policy(policy), mixed_precision=mp)
+    ROUTES[route].after_shard(model, policy)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    for step in range(3):
+        batch = _tokens(torch.Generator().manual_seed(step), 2 * world).chunk(world)[rank]
+        _lm_loss(model, batch).float().backward()
+        opt.step()
+        opt.zero_grad()
+    return fs.full_state_dict(model)
+
+
+def case_mixed_precision_routes(routes: list[str]) -> dict[str, float]:
+    """bf16 compute, fp32 reduce: each route against the same sharded run without one (the
+    fp32 unsharded run is no reference for bf16): the largest relative difference."""
+    from parity_models import rel_err
+
+    plain = _train_mp("none")
+    out = {}
+    for route in routes:
+        full = _train_mp(route)
+        out[route] = max((rel_err(full[k], v) for k, v in plain.items()), default=0.0)
+    return out
+
+
+def test_routes_under_mixed_precision_change_nothing(dist_pools):
+    errors = dist_pools(2).run(case_mixed_precision_routes, ROUTE_SAMPLE)[0]
+    assert errors.keys() == set(ROUTE_SAMPLE)
+    assert all(e <= 1e-6 for e in errors.values()), errors
