@@ -175,3 +175,23 @@ def case_clip_rejects_plain_tensors() -> str:
 def test_clip_grad_norm_rejects_tensors_that_are_not_fragments(dist_pools):
     message = dist_pools(2).run(case_clip_rejects_plain_tensors)[0]
     assert "not a fragment of a sharded model" in message and "parameter 0" in message
+
+
+def test_the_nanogpt_port_example_runs():
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    example = Path(__file__).resolve().parents[1] / "examples" / "port_nanogpt_optimizer.py"
+    env = {**os.environ, "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    done = subprocess.run(
+        [sys.executable, str(example)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "15 matrices decayed, as on the unsharded model" in done.stdout, done.stdout
