@@ -158,15 +158,35 @@ def _post_forward(state: ShardedState, unit: Unit, module, args, kwargs, output)
         # Nothing of the output depends on the views (a reentrant checkpoint inside the
         # unit ran them under no_grad): this call's node will never run; its gradients come
         # from the recomputation, and the unit's inputs tell when they are complete.
-        recompute.post_backward_on_inputs((args, kwargs), partial(_call_done, state, unit))
+        _post_backward_on_inputs(state, unit, (args, kwargs))
     return None
+
+
+PRE_BACKWARD = "_flatshard_pre_backward"  # on an output: [(hook handle, state, unit), ...]
 
 
 def _hook_output_grads(state: ShardedState, unit: Unit, output) -> None:
     tensors, _ = tree_flatten(output)
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.requires_grad:
-            t.register_hook(partial(_pre_backward, state, unit))
+            handle = t.register_hook(partial(_pre_backward, state, unit))
+            hooked = getattr(t, PRE_BACKWARD, None)
+            setattr(t, PRE_BACKWARD, [*(hooked or ()), (handle, state, unit)])
+
+
+def _post_backward_on_inputs(state: ShardedState, unit: Unit, inputs) -> None:
+    """This call's post-backward fires once its inputs' gradients are complete. An input is
+    usually the output of the unit before: that unit's pre-backward hook, registered earlier on
+    the same tensor, would run first (hooks run in registration order) and gather it while this
+    one is still gathered; so it is moved behind ours."""
+    tensors = recompute.post_backward_on_inputs(inputs, partial(_call_done, state, unit))
+    for t in tensors:
+        hooked = getattr(t, PRE_BACKWARD, None) or []
+        for handle, _, _ in hooked:
+            handle.remove()
+        setattr(t, PRE_BACKWARD, [])
+        for _, owner, other in hooked:
+            _hook_output_grads(owner, other, t)
 
 
 def _pre_backward(state: ShardedState, unit: Unit, grad: torch.Tensor) -> None:

@@ -92,12 +92,13 @@ def reaches(output: Any, node: Any) -> bool:
     return False
 
 
-def post_backward_on_inputs(inputs: Any, done: Callable[[], None]) -> None:
+def post_backward_on_inputs(inputs: Any, done: Callable[[], None]) -> list[torch.Tensor]:
     """Call ``done()`` once the gradients of every input tensor that requires grad are
-    complete. Without such inputs nothing is registered: the end-of-backward callback then
-    reduces the unit."""
+    complete; returns those tensors. Without any nothing is registered: the end-of-backward
+    callback then reduces the unit."""
     tensors = [
         t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and t.requires_grad
     ]
     if tensors:
         torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: done(), mode="all")
+    return tensors
