@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from dist_pool import DistPool
-from test_user_checkpointing import TORCH_ROUTES, case_step_costs
+from test_user_checkpointing import HF_CASES, TORCH_ROUTES, case_routes, case_step_costs
 
 HF_ROUTES = ["none", "fs_checkpoint_activations", "hf_nonreentrant", "hf_reentrant"]
 
@@ -36,11 +36,35 @@ def _print(title: str, results: dict) -> None:
         )
 
 
+def _parity(world: int) -> None:
+    """The parity errors of every route (test_user_checkpointing's harness), worst over ranks."""
+    pool = DistPool(world)
+    try:
+        jobs = [
+            (["gpt_tied", "gpt_nested_units"], TORCH_ROUTES, {}),
+            (HF_CASES, HF_ROUTES[2:], {"sgd": True}),
+        ]
+        print(f"\nworld {world}, full_shard, 3 steps: worst relative error")
+        print("{:40} {:>9} {:>9} {:>9}".format("model/route", "grad", "params", "loss"))
+        for names, routes, kwargs in jobs:
+            per_rank = pool.run(case_routes, names, routes, "full_shard", kwargs)
+            for key in per_rank[0]:
+                grad = max(r[key]["grad_err"] for r in per_rank)
+                r0 = per_rank[0][key]
+                print(f"{key:40} {grad:9.1e} {r0['sd_err']:9.1e} {r0['loss_err']:9.1e}")
+    finally:
+        pool.close()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--parity", action="store_true", help="also print each route's errors")
     args = p.parse_args()
+    if args.parity:
+        _parity(2)
+        _parity(3)
     pool = DistPool(2)
     try:
         routes = ["none", *TORCH_ROUTES]
