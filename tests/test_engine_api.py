@@ -600,7 +600,7 @@ def test_parameters_are_16_byte_aligned_in_the_gathered_buffer(dist_pools):
 
 def case_no_sync_from_pieces(keep: str, strategy: str) -> dict:
     """``case_no_sync`` with every eligible gradient reduced from its per-parameter pieces."""
-    from flatshard import flat_group
+    from flatshard.engine import flat_group
 
     saved, flat_group.PIECES_MIN_BYTES = flat_group.PIECES_MIN_BYTES, 0
     try:

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flatshard import gloo_p2p
-from flatshard.collectives import CommStats, all_gather_into, reduce_scatter_sum
+from flatshard.comm import gloo_p2p
+from flatshard.comm.collectives import CommStats, all_gather_into, reduce_scatter_sum
 
 TIMEOUT = datetime.timedelta(seconds=60)
 SIZES = (1, 5, 1024, 100_003)  # per-rank chunk sizes: odd, tiny, larger than a socket buffer

@@ -10,18 +10,18 @@ import warnings
 import torch.distributed as dist
 from torch import nn
 
-from . import hooks
-from .collectives import CommStats
-from .fingerprint import check_ranks_agree
-from .mesh import Topology, require_initialized, resolve_topology
-from .meta_init import InitFn, check_nothing_on_meta, has_meta, materialize_unit
+from .comm.collectives import CommStats
+from .comm.fingerprint import check_ranks_agree
+from .engine import hooks
+from .engine.mesh import Topology, require_initialized, resolve_topology
+from .engine.meta_init import InitFn, check_nothing_on_meta, has_meta, materialize_unit
+from .engine.state import ShardedState
+from .engine.unit import Unit
 from .offload import CPUOffload
 from .optim.guard import guard_optimizers
 from .params import tag_fragments
 from .precision import MixedPrecision
 from .prefetch import Prefetch
-from .state import ShardedState
-from .unit import Unit
 from .wrap import Policy, WrapPlan, auto, build_plan, root_only
 
 STATE_ATTR = "_flatshard_state"
@@ -63,7 +63,7 @@ def shard(
 
     A model built under ``torch.device("meta")`` is materialised unit by unit (peak memory: one
     unit): ``init_fn(unit_module)`` initialises each unit's parameters (default: the unit
-    module's ``reset_parameters()``, or its children's); see ``flatshard.meta_init``.
+    module's ``reset_parameters()``, or its children's); see ``flatshard.engine.meta_init``.
 
     ``reshard_root``: under ``full_shard``/``hybrid_shard`` the root unit stays gathered from
     its forward into its backward (default, as FSDP2: the root's backward comes first, so a

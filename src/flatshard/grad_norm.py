@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .api import get_state
-from .collectives import all_reduce
+from .comm.collectives import all_reduce
 from .params import state_of_parameters
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .collectives import CommStats, all_reduce
+from .comm.collectives import CommStats, all_reduce
 
 _FP32_MAX = torch.finfo(torch.float32).max
 # state_dict key -> (attribute, type); the first five are torch.amp.GradScaler's

@@ -13,9 +13,9 @@ import functools
 
 from torch import nn
 
-from . import hooks
 from .api import get_state
-from .unit import Unit
+from .engine import hooks
+from .engine.unit import Unit
 
 
 def register_method(model: nn.Module, name: str, *, submodule: nn.Module | None = None) -> None:

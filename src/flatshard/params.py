@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from .state import ShardedState
+    from .engine.state import ShardedState
 
 TAG = "_flatshard_fragment"  # attribute of every fragment: its FragmentTag
 

@@ -15,9 +15,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .api import get_state
-from .collectives import broadcast
-from .state import ShardedState
-from .unit import ParamState, Unit
+from .comm.collectives import broadcast
+from .engine.state import ShardedState
+from .engine.unit import ParamState, Unit
 
 
 def _fragment_locations(state: ShardedState) -> dict[int, tuple[Unit, int, int]]:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..api import get_state
-from ..unit import ParamState
+from ..engine.unit import ParamState
 from . import agree
 from .layout import ModelLayout, dtype_from_name, model_layout
 from .loader import Opened, open_checkpoint, read_tensors, verify_files

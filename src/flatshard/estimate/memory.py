@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from ..flat_group import PIECES_MIN_BYTES
-from ..gloo_p2p import MAX_P2P_WORLD
+from ..comm.gloo_p2p import MAX_P2P_WORLD
+from ..engine.flat_group import PIECES_MIN_BYTES
 from .activations import FP32, Activations, activations
 from .spec import Layout, ModelSpec, Workload
 

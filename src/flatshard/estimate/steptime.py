@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..gloo_p2p import MAX_P2P_WORLD
+from ..comm.gloo_p2p import MAX_P2P_WORLD
 from .devices import Device
 from .spec import Layout, ModelSpec, Workload
 

@@ -30,8 +30,8 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
+from ..precision import MixedPrecision, cast_floating
 from . import recompute, saved_views
-from .precision import MixedPrecision, cast_floating
 from .recompute import Call, CallKind
 from .state import ShardedState
 from .unit import Unit

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .collectives import CommStats, PendingWork, all_reduce
+from ..comm.collectives import CommStats, PendingWork, all_reduce
+from ..prefetch import Prefetch
 from .gather_pool import GatheredBytes, GatherPool
 from .mesh import Topology
-from .prefetch import Prefetch
 from .unit import ParamState, Unit
 
 

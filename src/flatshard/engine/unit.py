@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .collectives import CommStats, PendingWork
+from ..comm.collectives import CommStats, PendingWork
+from ..offload import CPUOffload
+from ..precision import MixedPrecision
 from .flat_group import FlatGroup
 from .mesh import Topology
-from .offload import CPUOffload
-from .precision import MixedPrecision
 
 
 class ParamState(enum.Enum):

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import gloo_p2p
-from .collectives import (
+from ..comm import gloo_p2p
+from ..comm.collectives import (
     CommStats,
     PendingWork,
     all_gather_into,
@@ -34,10 +34,10 @@ from .collectives import (
     reduce_scatter_pieces_sum,
     reduce_scatter_sum,
 )
+from ..offload import CPUOffload, pin_if_useful, storage_device
+from ..precision import MixedPrecision, compute_dtype, reduce_dtype, sum_scaling
 from .gather_pool import GatheredBytes, GatherPool
 from .mesh import Topology
-from .offload import CPUOffload, pin_if_useful, storage_device
-from .precision import MixedPrecision, compute_dtype, reduce_dtype, sum_scaling
 
 
 @dataclass

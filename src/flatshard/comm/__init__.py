@@ -1,0 +1,1 @@
+"""Collectives as free functions, Gloo point-to-point, the debug checker, the fingerprint."""
