@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -14,7 +15,6 @@ import torch.distributed as dist
 
 import flatshard as fs
 import flatshard.checkpoint as ckpt
-from flatshard.checkpoint.commit import PAUSE_ENV
 from parity_models import Block, TinyGPT, rel_err
 
 TESTS = str(Path(__file__).parent)
@@ -38,9 +38,11 @@ def child_main(root: str) -> None:
     ckpt.save(f"{root}/ckpt/step", model=model, optimizer=opt, extra={"step": 1})
     ckpt.export_safetensors(model, f"{root}/reference.safetensors")
     _step(model, opt, 1)
-    os.environ[PAUSE_ENV] = "120"
     Path(root, "second_save_started").touch()  # the first save's .tmp- dir is gone by now
-    ckpt.save(f"{root}/ckpt/step", model=model, optimizer=opt, extra={"step": 2})
+    pause = functools.partial(time.sleep, 120)
+    ckpt.save(
+        f"{root}/ckpt/step", model=model, optimizer=opt, extra={"step": 2}, before_commit=pause
+    )
     raise AssertionError("the parent should have killed this save")
 
 
@@ -100,15 +102,14 @@ def case_async(root: str) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _step(model, opt, 0)
     before = fs.full_state_dict(model)
-    os.environ[PAUSE_ENV] = "0.5"  # rank 0's commit lingers: the save is still in flight
-    try:
-        handle = ckpt.save(f"{root}/a", model=model, optimizer=opt, extra={"n": 1}, async_=True)
-        in_flight = not handle.done()
-        for seed in (1, 2):  # training goes on, changing the parameters being saved
-            _step(model, opt, seed)
-        handle.wait()
-    finally:
-        del os.environ[PAUSE_ENV]
+    linger = functools.partial(time.sleep, 0.5)  # rank 0's commit lingers: still in flight
+    handle = ckpt.save(
+        f"{root}/a", model=model, optimizer=opt, extra={"n": 1}, async_=True, before_commit=linger
+    )
+    in_flight = not handle.done()
+    for seed in (1, 2):  # training goes on, changing the parameters being saved
+        _step(model, opt, seed)
+    handle.wait()
     second = ckpt.save(f"{root}/b", model=model, optimizer=opt, async_=True)
     ckpt.save(f"{root}/c", model=model, optimizer=opt)  # waits for the previous one first
     done_before_third = second.done()

@@ -6,6 +6,7 @@ Each ``case_*`` runs on every rank of a Gloo pool; the pytest functions only dis
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -661,3 +662,41 @@ def case_reshard_root_warning() -> bool:
         warnings.simplefilter("always")
         fs.shard(TinyGPT(), policy=fs.wrap.by_type(Block), strategy="no_shard", reshard_root=True)
     return any("reshard_root=True) has no effect" in str(w.message) for w in caught)
+
+
+def case_divergent_switch(variable: str) -> str:
+    """One rank sets a switch the others do not: fs.shard must fail on every rank, naming it."""
+    if dist.get_rank() == 1:
+        os.environ[variable] = "0" if variable != "FLATSHARD_DEBUG" else "1"
+    try:
+        fs.shard(TinyGPT(layers=1), policy=fs.wrap.by_type(Block))
+    except ValueError as e:
+        return str(e)
+    finally:
+        os.environ.pop(variable, None)
+    return ""
+
+
+@pytest.mark.parametrize(
+    "variable", ["FLATSHARD_GLOO_P2P", "FLATSHARD_GATHER_POOL", "FLATSHARD_DEBUG"]
+)
+def test_a_rank_with_another_switch_fails_at_shard_naming_it(dist_pools, variable):
+    for message in dist_pools(2).run(case_divergent_switch, variable):
+        assert "ranks disagree" in message and variable in message, message
+
+
+def case_switches_read_once() -> dict:
+    """The switches are read at fs.shard: changing the environment afterwards changes nothing."""
+    model = fs.shard(TinyGPT(layers=1), policy=fs.wrap.by_type(Block))
+    os.environ["FLATSHARD_GLOO_P2P"] = "0"
+    try:
+        state = model._flatshard_state
+        model(torch.randint(0, 50, (2, 5))).sum().backward()
+        return {"p2p": state.stats.p2p, "switches": state.switches.describe()}
+    finally:
+        del os.environ["FLATSHARD_GLOO_P2P"]
+
+
+def test_switches_are_read_once_at_shard(dist_pools):
+    r = dist_pools(2).run(case_switches_read_once)[0]
+    assert r["p2p"] is True and "switch FLATSHARD_GLOO_P2P=1" in r["switches"]

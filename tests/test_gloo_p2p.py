@@ -6,7 +6,6 @@ Each ``case_*`` runs on every rank of a Gloo pool; the pytest functions only dis
 from __future__ import annotations
 
 import datetime
-import os
 
 import pytest
 import torch
@@ -79,28 +78,25 @@ def test_p2p_collectives_match_gloo(dist_pools, world, dtype_name):
 
 
 def case_switch(p2p: str) -> dict[str, object]:
-    """``FLATSHARD_GLOO_P2P`` picks the algorithm; both give the same numbers."""
-    os.environ["FLATSHARD_GLOO_P2P"] = p2p
-    try:
-        group, world = dist.group.WORLD, dist.get_world_size()
-        stats = CommStats()
-        shard = torch.full((3,), float(dist.get_rank()))
-        gathered = torch.empty(3 * world)
-        gather = all_gather_into(gathered, shard, group, stats)
-        full = torch.arange(4.0 * world)
-        reduced = torch.empty(4)
-        reduce = reduce_scatter_sum(reduced, full, group, stats)
-        p2p_work = isinstance(gather.work, gloo_p2p.P2PWork)  # before wait() drops it
-        gather.wait(TIMEOUT)
-        reduce.wait(TIMEOUT)
-        return {
-            "enabled": gloo_p2p.p2p_enabled(group),
-            "p2p_work": p2p_work,
-            "gathered": gathered.tolist(),
-            "reduced": reduced.tolist(),
-        }
-    finally:
-        os.environ.pop("FLATSHARD_GLOO_P2P")
+    """The model's ``FLATSHARD_GLOO_P2P`` switch (``CommStats.p2p``) picks the algorithm; both
+    give the same numbers."""
+    group, world = dist.group.WORLD, dist.get_world_size()
+    stats = CommStats(p2p=p2p == "1")
+    shard = torch.full((3,), float(dist.get_rank()))
+    gathered = torch.empty(3 * world)
+    gather = all_gather_into(gathered, shard, group, stats)
+    full = torch.arange(4.0 * world)
+    reduced = torch.empty(4)
+    reduce = reduce_scatter_sum(reduced, full, group, stats)
+    p2p_work = isinstance(gather.work, gloo_p2p.P2PWork)  # before wait() drops it
+    gather.wait(TIMEOUT)
+    reduce.wait(TIMEOUT)
+    return {
+        "enabled": gloo_p2p.p2p_enabled(group, stats.p2p),
+        "p2p_work": p2p_work,
+        "gathered": gathered.tolist(),
+        "reduced": reduced.tolist(),
+    }
 
 
 def test_switch_between_p2p_and_gloo_collectives(dist_pools):

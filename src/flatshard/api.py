@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm.collectives import CommStats
+from .comm.debug import OpChecker
 from .comm.fingerprint import check_ranks_agree
 from .engine import hooks
 from .engine.mesh import Topology, require_initialized, resolve_topology
@@ -22,6 +23,7 @@ from .optim.guard import guard_optimizers
 from .params import tag_fragments
 from .precision import MixedPrecision
 from .prefetch import Prefetch
+from .switches import Switches
 from .wrap import Policy, WrapPlan, auto, build_plan, root_only
 
 STATE_ATTR = "_flatshard_state"
@@ -88,14 +90,20 @@ def shard(
             f"policy={policy!r} matched no module of {type(model).__name__}; check the class "
             "names or sizes it selects (everything would fall into one root unit)"
         )
+    switches = Switches.from_environ()
     description = _describe(model, plan, strategy, mixed_precision)
-    check_ranks_agree([*description, f"reshard_root={reshard_root}"], dist.group.WORLD)
+    check_ranks_agree(
+        [*switches.describe(), *description, f"reshard_root={reshard_root}"], dist.group.WORLD
+    )
+    stats = CommStats(checker=OpChecker() if switches.debug else None, p2p=switches.gloo_p2p)
     state = _build_state(
         model, plan, strategy, topology, _timeout(timeout_s), init_fn, mixed_precision, offload,
-        reshard_root,
+        reshard_root, stats,
     )  # fmt: skip
+    state.switches = switches
     state.prefetch_policy = prefetch if prefetch is not None else Prefetch()
-    state.enable_gather_pool()
+    if switches.gather_pool:
+        state.enable_gather_pool()
     state.mixed_precision = mixed_precision
     check_nothing_on_meta(model)
     buffer_dtype = mixed_precision.buffer_dtype if mixed_precision is not None else None
@@ -183,6 +191,7 @@ def _build_state(
     mixed_precision: MixedPrecision | None,
     offload: CPUOffload | None,
     reshard_root: bool,
+    stats: CommStats,
 ) -> ShardedState:
     slots: dict[int, list[tuple[nn.Module, str]]] = {}
     owned: list[list[nn.Parameter]] = [[] for _ in plan.unit_modules]
@@ -193,7 +202,6 @@ def _build_state(
             if id(p) not in slots:
                 owned[plan.owner[id(p)]].append(p)
             slots.setdefault(id(p), []).append((module, name))
-    stats = CommStats()
     units = []
     built = {id(m) for m, params in zip(plan.unit_modules, owned, strict=True) if params}
     on_meta = has_meta(model)

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 
 from .comm.collectives import CommStats, all_reduce
+from .comm.debug import OpChecker
+from .switches import Switches
 
 _FP32_MAX = torch.finfo(torch.float32).max
 # state_dict key -> (attribute, type); the first five are torch.amp.GradScaler's
@@ -110,7 +112,8 @@ class GradScaler:
         self._records: dict[int, _Record] = {}
         self.last_step_skipped = False
         """Whether the step closed by the last ``update()`` was skipped (on every rank)."""
-        self.stats = CommStats()
+        debug = Switches.from_environ().debug  # read once, as fs.shard does
+        self.stats = CommStats(checker=OpChecker() if debug else None)
         """Collectives issued by this scaler (one found-inf all-reduce per optimizer step)."""
 
     # ---- the torch.amp API -------------------------------------------------------------------

@@ -23,6 +23,7 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from .safety import describe_file
@@ -35,7 +36,6 @@ VERSION = 1
 TMP_MARK, OLD_MARK = ".tmp-", ".old-"
 # Test hook: seconds to sleep after the data files are written, before the manifest, so a
 # test can SIGKILL a save at its most delicate point.
-PAUSE_ENV = "FLATSHARD_CHECKPOINT_TEST_PAUSE_S"
 
 
 def new_tmp_dir(path: Path) -> Path:
@@ -67,14 +67,21 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def commit(tmp: Path, path: Path, data_files: dict[str, dict], description: dict) -> None:
-    """Rank 0: write the description and the manifest into ``tmp``, then move it to ``path``."""
+def commit(
+    tmp: Path,
+    path: Path,
+    data_files: dict[str, dict],
+    description: dict,
+    before_commit: Callable[[], None] | None = None,
+) -> None:
+    """Rank 0: write the description and the manifest into ``tmp``, then move it to ``path``
+    (``before_commit()`` first, when given: see ``fs.save``)."""
     _write_durably(tmp / DESCRIPTION, json.dumps(description, indent=1))
     files = dict(data_files)
     for name in (DESCRIPTION, DCP_METADATA):
         files[name] = describe_file(tmp / name)
-    if pause := float(os.environ.get(PAUSE_ENV, 0) or 0):
-        time.sleep(pause)
+    if before_commit is not None:
+        before_commit()
     manifest = {"format": FORMAT, "version": VERSION, "created_ns": time.time_ns(), "files": files}
     _write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1))
     _fsync_dir(tmp)

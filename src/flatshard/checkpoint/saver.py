@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -90,6 +91,7 @@ def save(
     optimizer: torch.optim.Optimizer | None = None,
     extra: dict | None = None,
     async_: bool = False,
+    before_commit: Callable[[], None] | None = None,
 ) -> SaveHandle:
     """Save ``model`` (and ``optimizer``'s state, and ``extra``) to the directory ``path``.
 
@@ -98,7 +100,9 @@ def save(
     tensors (step, RNG states, data position); rank 0's copy is saved. ``path`` appears
     atomically when the save is complete; an existing checkpoint there is replaced. With
     ``async_=True`` the call returns once a CPU snapshot is taken; ``.wait()`` on the returned
-    handle (or the next save/load) waits for the files.
+    handle (or the next save/load) waits for the files. ``before_commit``: called on rank 0
+    once every file is written, just before the checkpoint is committed (tests interrupt a
+    save there).
     """
     state = get_state(model)
     session = session_of(model)
@@ -114,13 +118,13 @@ def save(
     future: Future = Future()
     handle = SaveHandle(path, future)
     if not async_:
-        _run(future, items, description, tmp, path, group)
+        _run(future, items, description, tmp, path, group, before_commit)
         handle.wait()
         return handle
     if session.async_group is None:
         session.async_group = dist.new_group(backend="gloo", timeout=state.timeout)
     snapshot = {key: _to_cpu_copy(item) for key, item in items.items()}
-    args = (future, snapshot, description, tmp, path, session.async_group)
+    args = (future, snapshot, description, tmp, path, session.async_group, before_commit)
     threading.Thread(target=_run, args=args, name="flatshard-save", daemon=False).start()
     session.pending = handle
     return handle
@@ -185,16 +189,18 @@ def _check_ranks_agree(
         )
 
 
-def _run(future: Future, items, description, tmp: Path, path: Path, group) -> None:
+def _run(future: Future, items, description, tmp: Path, path: Path, group, before_commit) -> None:
     try:
-        _write_and_commit(items, description, tmp, path, group)
+        _write_and_commit(items, description, tmp, path, group, before_commit)
     except BaseException as err:  # reported through the handle, raised by wait()
         future.set_exception(err)
     else:
         future.set_result(path)
 
 
-def _write_and_commit(items, description: dict, tmp: Path, path: Path, group) -> None:
+def _write_and_commit(
+    items, description: dict, tmp: Path, path: Path, group, before_commit=None
+) -> None:
     rank = dist.get_rank(group)
     try:
         with torch.no_grad():
@@ -220,7 +226,7 @@ def _write_and_commit(items, description: dict, tmp: Path, path: Path, group) ->
         if outcome is None:
             files = {name: d for files, _ in gathered for name, d in files.items()}
             try:
-                commit.commit(tmp, path, files, description)
+                commit.commit(tmp, path, files, description, before_commit)
             except OSError as err:
                 outcome = f"committing {tmp} to {path}: {err}"
     agree.raise_if(agree.from_rank0(outcome, group), RuntimeError)

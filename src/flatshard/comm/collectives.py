@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import gloo_p2p
-from .debug import OpChecker, debug_enabled
+from .debug import OpChecker
 
 # torch 2.13 renamed the tensor collectives (the old names warn); torch 2.6 has only the old.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -32,9 +32,8 @@ class CommStats:
 
     calls: Counter = field(default_factory=Counter)
     bytes: Counter = field(default_factory=Counter)
-    checker: OpChecker | None = field(
-        default_factory=lambda: OpChecker() if debug_enabled() else None
-    )
+    checker: OpChecker | None = None  # debug mode: the check before every collective
+    p2p: bool = True  # may Gloo groups use the point-to-point algorithms (gloo_p2p)?
 
     def record(
         self,
@@ -103,7 +102,7 @@ def all_gather_into(
             out.copy_(shard)
         return PendingWork(None, "all_gather")
     stats.record("all_gather", shard, group, label)
-    if gloo_p2p.p2p_enabled(group):
+    if gloo_p2p.p2p_enabled(group, stats.p2p):
         return PendingWork(gloo_p2p.all_gather(out, shard, group), "all_gather", (out, shard))
     work = _all_gather_tensor(out, shard, group=group, async_op=True)
     return PendingWork(work, "all_gather", (out, shard))
@@ -125,7 +124,7 @@ def reduce_scatter_sum(
     although it moves fewer bytes. ``full`` is scratch (the flat gradient) either way.
     """
     stats.record("reduce_scatter", full, group, label)
-    if gloo_p2p.p2p_enabled(group):
+    if gloo_p2p.p2p_enabled(group, stats.p2p):
         work = gloo_p2p.reduce_scatter_sum(out, full, group)
         return PendingWork(work, "reduce_scatter", (out, full))
     if dist.get_backend(group) == "gloo":

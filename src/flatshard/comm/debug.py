@@ -12,14 +12,9 @@ small blocking collective per collective: for debugging, not for production runs
 from __future__ import annotations
 
 import hashlib
-import os
 
 import torch
 import torch.distributed as dist
-
-
-def debug_enabled() -> bool:
-    return os.environ.get("FLATSHARD_DEBUG", "0") not in ("", "0", "false", "False")
 
 
 class OpChecker:

@@ -32,7 +32,6 @@ bytes silently. Gloo's own collectives use separate (prefixed) slots, so they ne
 from __future__ import annotations
 
 import datetime
-import os
 from collections.abc import Callable
 
 import torch
@@ -43,10 +42,10 @@ REDUCE_TAG = 0x46531000  # + ring step
 MAX_P2P_WORLD = 8  # beyond one host's worth of ranks, Gloo's own ring algorithms are used
 
 
-def p2p_enabled(group: dist.ProcessGroup) -> bool:
-    """Use the point-to-point algorithms for this group? Gloo groups of 2..8 ranks, unless
-    ``FLATSHARD_GLOO_P2P=0`` (to measure the stock collectives, or to rule this path out)."""
-    if os.environ.get("FLATSHARD_GLOO_P2P", "1") == "0":
+def p2p_enabled(group: dist.ProcessGroup, allowed: bool = True) -> bool:
+    """Use the point-to-point algorithms for this group? Gloo groups of 2..8 ranks, when
+    ``allowed`` (the model's ``FLATSHARD_GLOO_P2P`` switch, see ``flatshard.switches``)."""
+    if not allowed:
         return False
     return dist.get_backend(group) == "gloo" and 2 <= dist.get_world_size(group) <= MAX_P2P_WORLD
 

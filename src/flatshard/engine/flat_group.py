@@ -231,14 +231,14 @@ class FlatGroup:
     def zeros_flat_grad(self) -> torch.Tensor:
         return torch.zeros(self.padded_numel, dtype=self.reduce_dtype, device=self.device)
 
-    def reduces_pieces(self, topo: Topology) -> bool:
+    def reduces_pieces(self, topo: Topology, p2p: bool) -> bool:
         """Can a gradient be reduced straight from its per-parameter pieces (no flat copy)?
         Gloo point-to-point groups, no pre-division (fp16), at least ``PIECES_MIN_BYTES`` (below
         that one message per parameter costs more than the copy saves)."""
         group = topo.shard_group
         return (
             group is not None
-            and gloo_p2p.p2p_enabled(group)
+            and gloo_p2p.p2p_enabled(group, p2p)
             and sum_scaling(self.reduce_dtype, _data_parallel_world(topo))[0] == 1.0
             and self.padded_numel * self.reduce_dtype.itemsize >= PIECES_MIN_BYTES
         )

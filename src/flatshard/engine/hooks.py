@@ -224,7 +224,7 @@ def accumulate_grads(state: ShardedState, unit: Unit, grads: tuple, *, final: bo
             previous is None
             and final
             and _reduce_right_away(state, unit)
-            and group.reduces_pieces(state.topology)
+            and group.reduces_pieces(state.topology, state.stats.p2p)
         ):
             unit.grad.flat_grads[gi] = tuple(mine)  # reduced without a flat copy
         else:

@@ -14,7 +14,6 @@ whose shard moved on is regathered before use.
 from __future__ import annotations
 
 import datetime
-import os
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -23,6 +22,7 @@ import torch.distributed as dist
 
 from ..comm.collectives import CommStats, PendingWork, all_reduce
 from ..prefetch import Prefetch
+from ..switches import Switches
 from .gather_pool import GatheredBytes, GatherPool
 from .mesh import Topology
 from .unit import ParamState, Unit
@@ -97,6 +97,7 @@ class ShardedState:
         self.summoned = False  # inside summon_full_params: hooks stand aside
         self.defer_reduce = False  # inside no_sync(keep="unsharded"): keep flat gradients
         self.mixed_precision = None  # fs.MixedPrecision or None
+        self.switches = Switches()  # the FLATSHARD_* switches read at fs.shard
         self.pool: GatherPool | None = None  # reused gather buffers, see enable_gather_pool
         self.gathered_bytes = GatheredBytes()
         for g in (g for u in units for g in u.groups if not g.replicated):
@@ -104,10 +105,8 @@ class ShardedState:
 
     def enable_gather_pool(self) -> None:
         """Let the units that reshard after forward gather into reused buffers (enough for
-        the current unit and those prefetched; ``FLATSHARD_GATHER_POOL=0``: one buffer per unit,
-        allocated at each gather and freed at each reshard)."""
-        if os.environ.get("FLATSHARD_GATHER_POOL", "1") == "0":
-            return
+        the current unit and those prefetched). Not called with ``FLATSHARD_GATHER_POOL=0``:
+        one buffer per unit, allocated at each gather and freed at each reshard."""
         pooled = [g for u in self.units if u.reshard_after_forward for g in u.groups]
         pooled = [g for g in pooled if not g.replicated]
         if pooled:
