@@ -74,11 +74,11 @@ def main() -> None:
         names = list(runs)
         for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
             model, opt = runs[name]
-            model._flatshard_state.stats.reset()
+            fs.comm_stats(model, reset=True)
             seconds, _ = step(model, opt, batch)
             times[name].append(seconds)
-            stats = model._flatshard_state.stats
-            comm[name] = {op: stats.bytes[op] for op in ("all_gather", "reduce_scatter")}
+            sent = fs.comm_stats(model).bytes
+            comm[name] = {op: sent.get(op, 0) for op in ("all_gather", "reduce_scatter")}
     report(args, times, comm, rank)
     dist.destroy_process_group()
 

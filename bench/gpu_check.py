@@ -159,8 +159,7 @@ def check_pooled_buffers(c: Ctx) -> dict:
         lm_loss(model, x).backward(), lm_loss(ref, x).backward()
         errs.append(max(rel_err(params[n].grad, q.grad.reshape(-1)) for n, q in ref_params.items()))
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
-    pool = model._flatshard_state.pool
-    allocations = pool.allocations if pool is not None else 0
+    allocations = fs.memory_stats(model).pool_allocations
     # CPU dry run: offloading to the CPU is a no-op there, so world 1 has no buffer to pool.
     pooled = allocations > 0 or not c.cuda
     return {"ok": max(errs) <= TOL and pooled, "grad_errs": errs, "buffers": allocations}

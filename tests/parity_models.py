@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import flatshard as fs
+from flatshard.api import get_state
 
 VOCAB, SEQ = 53, 12
 
@@ -471,7 +472,7 @@ def _mark_noise_floor(ref: nn.Module, noisy: dict) -> None:
 
 def _max_grad_err(model: nn.Module, ref: nn.Module) -> float:
     """Largest relative error of this rank's gradient fragments against the reference's."""
-    state = model._flatshard_state
+    state = get_state(model)  # white-box: each fragment's range in its full parameter
     ref_params = dict(ref.named_parameters())
     names = {id(p): n for n, p in plain_named_parameters(model)}
     worst = 0.0

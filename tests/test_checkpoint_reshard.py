@@ -16,6 +16,7 @@ from torch import nn
 
 import flatshard as fs
 import flatshard.checkpoint as ckpt
+from flatshard.api import get_state
 from parity_models import (
     CASES,
     MLP,
@@ -79,7 +80,7 @@ def _state_err(opt: torch.optim.Optimizer, ref_opt: torch.optim.Optimizer, model
     """Largest relative difference of this rank's optimizer-state fragments to the reference."""
     ref_params = dict(ref.named_parameters())
     worst = 0.0
-    for unit in model._flatshard_state.units:
+    for unit in get_state(model).units:
         for group in unit.groups:
             for spec in group.specs:
                 start, end = group.fragment_range(spec)
@@ -196,7 +197,7 @@ def case_replicated(path: str, save: bool) -> dict:
     else:
         ckpt.load(path, model=model, optimizer=opt)
     pieces = {}
-    for unit in model._flatshard_state.units:
+    for unit in get_state(model).units:
         for group in unit.groups:
             for spec in group.specs:
                 name = next(n for n, p in model.named_parameters() if p is spec.fragment)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import flatshard as fs
+from flatshard.api import get_state
 from parity_models import Block, LoRAModel, TinyGPT, mesh_for, rel_err
 
 
@@ -252,12 +253,12 @@ def case_collective_counts(strategy: str) -> dict:
         ("gpt", model, torch.randint(0, 50, (2, 12))),
         ("lora", lora, torch.randn(4, 19)),
     ):
-        stats = net._flatshard_state.stats
         for _ in range(2):  # the second step runs with recorded prefetch orders
-            stats.reset()
+            fs.comm_stats(net, reset=True)
             net(x).sum().backward()
-        counts[name] = dict(stats.calls)
-        counts[name + "_rs_bytes"] = stats.bytes["reduce_scatter"]
+        step = fs.comm_stats(net)
+        counts[name] = step.calls
+        counts[name + "_rs_bytes"] = step.bytes.get("reduce_scatter", 0)
     trainable = sum(p.numel() for p in LoRAModel().parameters() if p.requires_grad)
     counts["lora_trainable_bytes"] = trainable * 4
     counts["lora_frozen_grads"] = [p.grad is None for p in lora.parameters() if not p.requires_grad]
@@ -351,14 +352,14 @@ def case_no_sync(keep: str, strategy: str) -> dict:
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     world, rank = dist.get_world_size(), dist.get_rank()
     gen = torch.Generator().manual_seed(0)
-    stats = model._flatshard_state.stats
     inside = []
     for _ in range(3):
         batches = [torch.randint(0, 50, (2 * world, 13), generator=gen) for _ in range(2)]
-        stats.reset()
+        fs.comm_stats(model, reset=True)
         with fs.no_sync(model, keep=keep):
             (_lm(model, batches[0].chunk(world)[rank]) / 2).backward()
-        inside.append(stats.calls["reduce_scatter"] + stats.calls["all_reduce"])
+        calls = fs.comm_stats(model).calls
+        inside.append(calls.get("reduce_scatter", 0) + calls.get("all_reduce", 0))
         (_lm(model, batches[1].chunk(world)[rank]) / 2).backward()
         sum(_lm(ref, b) / 2 for b in batches).backward()
         opt.step(), ref_opt.step()
@@ -515,10 +516,9 @@ def case_prefetch(forward: int, backward: str) -> dict:
         policy=fs.wrap.by_type(Block),
         prefetch=fs.Prefetch(forward=forward, backward=backward),
     )
-    state = model._flatshard_state
     gathered: list[int] = []  # units not sharded when block 0 starts (second step on)
     model.blocks[0].register_forward_pre_hook(
-        lambda *_: gathered.append(sum(u.state.value != "sharded" for u in state.units))
+        lambda *_: gathered.append(sum(u.gathered for u in fs.units(model)))
     )
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref))
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -621,16 +621,17 @@ def case_reshard_root() -> dict:
     out = {}
     for reshard_root in (False, True):
         ref, model = _tiny_pair(reshard_root=reshard_root)
-        root = model._flatshard_state.units[-1]
         world, rank = dist.get_world_size(), dist.get_rank()
-        stats, gathered_at_loss = model._flatshard_state.stats, []
+        gathered_at_loss = []
         for step in range(3):
             batch = torch.randint(
                 0, 50, (2 * world, 13), generator=torch.Generator().manual_seed(step)
             )
-            stats.reset()
+            fs.comm_stats(model, reset=True)
             loss = _lm(model, batch.chunk(world)[rank])
-            gathered_at_loss.append(root.state.value)
+            root = fs.units(model)[-1]
+            assert root.name == "" and root.module is model
+            gathered_at_loss.append(root.gathered)
             loss.backward()
             _lm(ref, batch).backward()
             for p in (*model.parameters(), *ref.parameters()):
@@ -639,7 +640,7 @@ def case_reshard_root() -> dict:
                     p.grad = None
         full = fs.full_state_dict(model)
         err = max(rel_err(full[k], v) for k, v in ref.state_dict().items()) if full else 0.0
-        out[reshard_root] = {"gathers": stats.calls["all_gather"], "err": err,
+        out[reshard_root] = {"gathers": fs.comm_stats(model).calls["all_gather"], "err": err,
                              "root_at_loss": gathered_at_loss[-1]}  # fmt: skip
     return out
 
@@ -647,7 +648,7 @@ def case_reshard_root() -> dict:
 def test_reshard_root_option(dist_pools):
     for r in dist_pools(2).run(case_reshard_root):
         assert r[True]["gathers"] == r[False]["gathers"] + 1, r
-        assert r[False]["root_at_loss"] == "unsharded" and r[True]["root_at_loss"] == "sharded"
+        assert r[False]["root_at_loss"] is True and r[True]["root_at_loss"] is False
         assert r[False]["err"] <= 1e-5 and r[True]["err"] <= 1e-5, r
 
 
@@ -690,7 +691,7 @@ def case_switches_read_once() -> dict:
     model = fs.shard(TinyGPT(layers=1), policy=fs.wrap.by_type(Block))
     os.environ["FLATSHARD_GLOO_P2P"] = "0"
     try:
-        state = model._flatshard_state
+        state = get_state(model)  # white-box: the stored switches
         model(torch.randint(0, 50, (2, 5))).sum().backward()
         return {"p2p": state.stats.p2p, "switches": state.switches.describe()}
     finally:
@@ -700,3 +701,48 @@ def case_switches_read_once() -> dict:
 def test_switches_are_read_once_at_shard(dist_pools):
     r = dist_pools(2).run(case_switches_read_once)[0]
     assert r["p2p"] is True and "switch FLATSHARD_GLOO_P2P=1" in r["switches"]
+
+
+def case_introspection() -> dict:
+    """fs.is_sharded / units / comm_stats / memory_stats on a 2-block TinyGPT."""
+    plain = TinyGPT(layers=2)
+    model = fs.shard(TinyGPT(layers=2), policy=fs.wrap.by_type(Block))
+    units = fs.units(model)
+    fs.comm_stats(model, reset=True)
+    fs.memory_stats(model, reset_peak=True)
+    _lm(model, torch.randint(0, 50, (2, 9))).backward()
+    step = fs.comm_stats(model, reset=True)
+    after_reset = fs.comm_stats(model)
+    memory = fs.memory_stats(model)
+    full_bytes = sum(p.numel() * 4 for p in plain.parameters())
+    return {
+        "sharded": (fs.is_sharded(model), fs.is_sharded(plain)),
+        "names": [u.name for u in units],
+        "numel": [u.numel for u in units],
+        "params": [list(u.params) for u in units],
+        "reshard": [u.reshard_after_forward for u in units],
+        "gathered_now": [u.gathered for u in fs.units(model)],
+        "plain_numel": {n: p.numel() for n, p in plain.named_parameters()},
+        "calls": step.calls,
+        "after_reset": after_reset.calls,
+        "memory": memory,
+        "full_bytes": full_bytes,
+    }
+
+
+def test_introspection_api(dist_pools):
+    r = dist_pools(2).run(case_introspection)[0]
+    assert r["sharded"] == (True, False)
+    assert r["names"] == ["blocks.0", "blocks.1", ""] and r["reshard"] == [True, True, False]
+    every = [n for names in r["params"] for n in names]
+    assert sorted(every) == sorted(r["plain_numel"])  # each parameter in exactly one unit
+    for names, numel in zip(r["params"], r["numel"], strict=True):
+        assert numel == sum(r["plain_numel"][n] for n in names)
+    assert r["gathered_now"] == [False, False, False]  # after backward everything is released
+    # first step (no recorded order yet): 3 gathers for forward, both blocks again for backward
+    assert r["calls"] == {"all_gather": 5, "reduce_scatter": 3, "usage_all_reduce": 1}
+    assert r["after_reset"] == {}
+    m = r["memory"]
+    assert r["full_bytes"] / 2 <= m.shard_bytes <= r["full_bytes"] / 2 + 1024  # half + padding
+    # between steps only the pool's free buffers remain (kept for the next forward)
+    assert 0 < m.gathered_bytes < m.gathered_peak_bytes and m.pool_allocations >= 1

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import flatshard as fs
+from flatshard.api import get_state
 from parity_models import Block, TinyGPT, _lm_loss, _tokens, train_parity
 
 
@@ -31,7 +32,7 @@ def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
 
 def case_buffers_are_reused() -> dict[str, object]:
     _, model = _sharded(layers=5)
-    state = model._flatshard_state
+    state = get_state(model)  # white-box: the pool's allocations and buffers
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     allocations, gathers, addresses, accounts = [], [], [], []
     for step in range(5):
@@ -113,7 +114,7 @@ def case_foreign_saved_tensor_hooks() -> dict[str, list]:
 
 
 def _private_groups(model: torch.nn.Module) -> int:
-    return sum(g.keep_private for u in model._flatshard_state.units for g in u.groups)
+    return sum(g.keep_private for u in get_state(model).units for g in u.groups)
 
 
 def test_foreign_saved_tensor_hooks_keep_working(dist_pools):

@@ -32,11 +32,10 @@ def case_loss_curve(name: str, param: str, reduce: str | None, strategy: str) ->
         mesh=mesh_for(strategy),
     )
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=3e-3) for m in (model, ref))
-    stats = model._flatshard_state.stats
     worst = 0.0
     for step in range(6):
         batch = case.batch(torch.Generator().manual_seed(step), 2 * world)
-        stats.reset()
+        fs.comm_stats(model, reset=True)
         loss = case.loss(model, batch.chunk(world)[rank])
         loss.backward()
         ref_loss = case.loss(ref, batch)
@@ -46,10 +45,11 @@ def case_loss_curve(name: str, param: str, reduce: str | None, strategy: str) ->
         mean = loss.detach().float().clone()
         dist.all_reduce(mean)
         worst = max(worst, rel_err(mean / world, ref_loss.detach()))
+    sent = fs.comm_stats(model).bytes
     return {
         "loss_rel": worst,
-        "gather_bytes": stats.bytes["all_gather"],
-        "reduce_bytes": stats.bytes["reduce_scatter"] + stats.bytes["all_reduce"],
+        "gather_bytes": sent.get("all_gather", 0),
+        "reduce_bytes": sent.get("reduce_scatter", 0) + sent.get("all_reduce", 0),
         "master_fp32": all(p.dtype == torch.float32 for p in model.parameters()),
         "grads_none": all(p.grad is None for p in model.parameters()),
     }
@@ -185,7 +185,7 @@ def case_offload_parity(name: str, mp: bool) -> dict:
         torch.manual_seed(0)
         plain = fs.shard(case.build(), policy=case.policy(), mixed_precision=precision)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (plain, offloaded)]
-    stats = offloaded._flatshard_state.stats
+    fs.comm_stats(offloaded, reset=True)
     for step in range(4):
         batch = case.batch(torch.Generator().manual_seed(step), 2 * world).chunk(world)[rank]
         for model, opt in zip((plain, offloaded), opts, strict=True):
@@ -194,11 +194,12 @@ def case_offload_parity(name: str, mp: bool) -> dict:
             opt.zero_grad()
     a, b = fs.full_state_dict(plain), fs.full_state_dict(offloaded)
     err = max(rel_err(b[k], v) for k, v in a.items()) if a else 0.0
+    calls = fs.comm_stats(offloaded).calls
     return {
         "err": err,
         "on_cpu": all(p.device.type == "cpu" for p in offloaded.parameters()),
-        "h2d": stats.calls["offload_h2d"],
-        "d2h": stats.calls["offload_d2h"],
+        "h2d": calls.get("offload_h2d", 0),
+        "d2h": calls.get("offload_d2h", 0),
     }
 
 

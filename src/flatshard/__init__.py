@@ -19,6 +19,7 @@ from .checkpoint import (
 )
 from .grad_norm import clip_grad_norm_
 from .grad_scaler import GradScaler
+from .introspect import MemoryStats, UnitInfo, comm_stats, is_sharded, memory_stats, units
 from .methods import register_method
 from .offload import CPUOffload
 from .params import FragmentInfo, fragment_info, full_shape
@@ -30,27 +31,33 @@ __all__ = [
     "CPUOffload",
     "FragmentInfo",
     "GradScaler",
+    "MemoryStats",
     "MixedPrecision",
     "Prefetch",
     "SaveHandle",
     "ShardingStrategy",
+    "UnitInfo",
     "checkpoint_activations",
     "clip_grad_norm_",
+    "comm_stats",
     "export_checkpoint",
     "export_safetensors",
     "fragment_info",
     "full_shape",
     "full_state_dict",
+    "is_sharded",
     "latest_checkpoint",
     "load",
     "load_full_state_dict",
     "load_full_state_dict_from_file",
+    "memory_stats",
     "no_sync",
     "optim",
     "register_method",
     "save",
     "shard",
     "summon_full_params",
+    "units",
     "wrap",
 ]
 __version__ = "0.1.0"

@@ -136,9 +136,8 @@ def build(mode: str, args: argparse.Namespace) -> Runner:
 
 def train_step(r: Runner, x: torch.Tensor) -> float:
     """One forward/backward/AdamW step after a barrier; the seconds it took on this rank."""
-    state = getattr(r.model, "_flatshard_state", None)
-    if state is not None:
-        state.stats.reset()
+    if fs.is_sharded(r.model):
+        fs.comm_stats(r.model, reset=True)
     dist.barrier()
     t0 = time.perf_counter()
     logits = r.model(x[:, :-1])  # [B, T, V]
@@ -148,8 +147,9 @@ def train_step(r: Runner, x: torch.Tensor) -> float:
     r.opt.zero_grad(set_to_none=True)
     dt = time.perf_counter() - t0
     r.losses.append(loss.item())
-    if state is not None:
-        r.comm.append({"calls": dict(state.stats.calls), "bytes": dict(state.stats.bytes)})
+    if fs.is_sharded(r.model):
+        counts = fs.comm_stats(r.model)
+        r.comm.append({"calls": counts.calls, "bytes": counts.bytes})
     return dt
 
 
@@ -193,15 +193,13 @@ def summarize(runners: list[Runner], args: argparse.Namespace, world: int) -> di
 def flatshard_memory(r: Runner) -> dict[str, int]:
     """flatshard's own accounting on this rank: bytes of parameter shards, of optimizer state,
     and of gathered parameters (peak over the run, and now: pooled buffers kept between steps)."""
-    state = r.model._flatshard_state  # type: ignore[attr-defined]
-    shards = {g.shard.untyped_storage().data_ptr(): g.shard.untyped_storage().nbytes()
-              for u in state.units for g in u.groups}  # fmt: skip
+    memory = fs.memory_stats(r.model)
     opt = [t for s in r.opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     return {
-        "shard_bytes": sum(shards.values()),
+        "shard_bytes": memory.shard_bytes,
         "optimizer_bytes": sum(t.untyped_storage().nbytes() for t in opt),
-        "gathered_peak_bytes": state.gathered_bytes.peak,
-        "gathered_now_bytes": state.gathered_bytes.current,
+        "gathered_peak_bytes": memory.gathered_peak_bytes,
+        "gathered_now_bytes": memory.gathered_bytes,
     }
 
 

@@ -27,6 +27,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..api import get_state
+
 __all__ = ["LiveBytes", "build", "measure_step", "spawn_measure"]
 
 
@@ -134,7 +136,7 @@ def measure_step(
               "buffers": _bytes(model.buffers())}  # fmt: skip
     counted = [*model.parameters(), *state_tensors, *model.buffers()]  # in ``static``
     static_ptrs = {t.untyped_storage().data_ptr() for t in counted}
-    fulls = model._flatshard_state.gathered_buffers  # type: ignore[attr-defined]
+    fulls = get_state(model).gathered_buffers
     tracker = LiveBytes(
         exclude=lambda: static_ptrs | {f.untyped_storage().data_ptr() for f in fulls()},
         extra=lambda: sum(f.untyped_storage().nbytes() for f in fulls()),  # gathered now

@@ -1,0 +1,115 @@
+"""Ask a sharded model about itself: its units, its communication, its memory.
+
+``fs.is_sharded(model)``, ``fs.units(model)``, ``fs.comm_stats(model)``,
+``fs.memory_stats(model)``: what benchmarks, the trainer and tests need, without reaching into
+the engine's private state. Every call is local to this rank (no collective).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from .api import STATE_ATTR, get_state
+from .engine.unit import ParamState
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Did ``model`` go through ``fs.shard`` (as the root)?"""
+    return getattr(model, STATE_ATTR, None) is not None
+
+
+@dataclass(frozen=True)
+class UnitInfo:
+    """One unit of a sharded model, as ``fs.units`` reports it."""
+
+    index: int
+    """Position in the plan (children before their parents; the root is last)."""
+    name: str
+    """The unit module's name in ``model.named_modules()`` ("" for the root)."""
+    module: nn.Module
+    params: tuple[str, ...]
+    """Names of the parameters it gathers (tied ones once, by their first name)."""
+    numel: int
+    """Elements of those parameters, unsharded."""
+    gathered: bool
+    """Its full parameters are allocated (or being gathered) right now."""
+    reshard_after_forward: bool
+    """It releases its full parameters after forward (full_shard, hybrid_shard; not the root)."""
+
+
+def units(model: nn.Module) -> list[UnitInfo]:
+    """The units of a sharded model, in plan order."""
+    state = get_state(model)
+    module_names = {id(m): n for n, m in model.named_modules()}
+    param_names = {id(p): n for n, p in model.named_parameters()}
+    out = []
+    for unit in state.units:
+        specs = [spec for group in unit.groups for spec in group.specs]
+        out.append(
+            UnitInfo(
+                index=unit.index,
+                name=module_names.get(id(unit.module), ""),
+                module=unit.module,
+                params=tuple(param_names.get(id(s.fragment), "?") for s in specs),
+                numel=sum(s.numel for s in specs),
+                gathered=unit.state is not ParamState.SHARDED,
+                reshard_after_forward=unit.reshard_after_forward,
+            )
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class CommStats:
+    """Collectives this rank issued for the model since the last reset."""
+
+    calls: dict[str, int]
+    """Per operation ("all_gather", "reduce_scatter", "all_reduce", "usage_all_reduce", ...)."""
+    bytes: dict[str, int]
+    """Bytes this rank sent, per operation."""
+
+
+def comm_stats(model: nn.Module, *, reset: bool = False) -> CommStats:
+    """The counters now; ``reset=True`` zeroes them afterwards (call it before a step to
+    count that step alone)."""
+    stats = get_state(model).stats
+    out = CommStats(dict(stats.calls), dict(stats.bytes))
+    if reset:
+        stats.reset()
+    return out
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """flatshard's own count of the bytes it holds on this rank for the model."""
+
+    shard_bytes: int
+    """Parameter shards (what the optimizer steps on)."""
+    gathered_bytes: int
+    """Gathered (full) parameter buffers allocated now, pooled ones included."""
+    gathered_peak_bytes: int
+    """The most ``gathered_bytes`` has been since the last peak reset."""
+    pool_allocations: int
+    """Pooled gather buffers created so far (constant after the first step in steady state)."""
+
+
+def memory_stats(model: nn.Module, *, reset_peak: bool = False) -> MemoryStats:
+    """The accounting now; ``reset_peak=True`` restarts the peak from the current value."""
+    state = get_state(model)
+    shards = {}
+    for unit in state.units:
+        for group in unit.groups:
+            storage = group.shard.untyped_storage()
+            shards[storage.data_ptr()] = storage.nbytes()
+    account = state.gathered_bytes
+    out = MemoryStats(
+        shard_bytes=sum(shards.values()),
+        gathered_bytes=account.current,
+        gathered_peak_bytes=account.peak,
+        pool_allocations=state.pool.allocations if state.pool is not None else 0,
+    )
+    if reset_peak:
+        account.peak = account.current
+    return out
