@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from bench_step import GPT, Block
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -36,6 +35,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 import flatshard as fs
 import flatshard.checkpoint as ckpt
+from flatshard.bench import AnchorBlock as Block
+from flatshard.bench import AnchorGPT as GPT
 
 
 def build(mode: str, args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -63,6 +63,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if args.steps < 3:
+        p.error(f"--steps {args.steps}: at least 3 (the first 2 rounds are warm-up)")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     runs = {name: build(args.preset, mp) for name, mp in SETTINGS.items()}

@@ -31,3 +31,19 @@ def copy_of(pristine, tmp_path) -> Path:
     target = tmp_path / "ckpt"
     shutil.copytree(pristine, target)
     return target
+
+
+@pytest.fixture
+def patched_env():
+    """``with patched_env(NAME="value"): ...`` (see tests/patching.py)."""
+    from patching import patched_env
+
+    return patched_env
+
+
+@pytest.fixture
+def patched_attr():
+    """``with patched_attr(obj, "name", value): ...`` (see tests/patching.py)."""
+    from patching import patched_attr
+
+    return patched_attr

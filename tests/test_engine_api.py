@@ -6,7 +6,6 @@ Each ``case_*`` runs on every rank of a Gloo pool; the pytest functions only dis
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from torch import nn
 import flatshard as fs
 from flatshard.api import get_state
 from parity_models import Block, LoRAModel, TinyGPT, mesh_for, rel_err
+from patching import patched_attr, patched_env
 
 
 def _tiny_pair(strategy: str = "full_shard", **shard_kwargs) -> tuple[nn.Module, nn.Module]:
@@ -550,10 +550,7 @@ def test_prefetch_config_is_validated():
 
 
 def case_debug_mode_reports_desync() -> str:
-    import os
-
-    os.environ["FLATSHARD_DEBUG"] = "1"
-    try:
+    with patched_env(FLATSHARD_DEBUG="1"):
         torch.manual_seed(0)
         model = fs.shard(TinyGPT(), policy=fs.wrap.by_type(Block))
         _lm(model, torch.randint(0, 50, (2, 13))).backward()  # in step: checks pass
@@ -565,8 +562,6 @@ def case_debug_mode_reports_desync() -> str:
         except RuntimeError as err:
             return str(err)
         return ""
-    finally:
-        del os.environ["FLATSHARD_DEBUG"]
 
 
 def test_debug_mode_names_mismatched_collectives(dist_pools):
@@ -603,11 +598,8 @@ def case_no_sync_from_pieces(keep: str, strategy: str) -> dict:
     """``case_no_sync`` with every eligible gradient reduced from its per-parameter pieces."""
     from flatshard.engine import flat_group
 
-    saved, flat_group.PIECES_MIN_BYTES = flat_group.PIECES_MIN_BYTES, 0
-    try:
+    with patched_attr(flat_group, "PIECES_MIN_BYTES", 0):
         return case_no_sync(keep, strategy)
-    finally:
-        flat_group.PIECES_MIN_BYTES = saved
 
 
 @pytest.mark.parametrize("keep", ["unsharded", "sharded"])
@@ -667,14 +659,12 @@ def case_reshard_root_warning() -> bool:
 
 def case_divergent_switch(variable: str) -> str:
     """One rank sets a switch the others do not: fs.shard must fail on every rank, naming it."""
-    if dist.get_rank() == 1:
-        os.environ[variable] = "0" if variable != "FLATSHARD_DEBUG" else "1"
-    try:
-        fs.shard(TinyGPT(layers=1), policy=fs.wrap.by_type(Block))
-    except ValueError as e:
-        return str(e)
-    finally:
-        os.environ.pop(variable, None)
+    other = {variable: ("0" if variable != "FLATSHARD_DEBUG" else "1")}
+    with patched_env(**(other if dist.get_rank() == 1 else {})):
+        try:
+            fs.shard(TinyGPT(layers=1), policy=fs.wrap.by_type(Block))
+        except ValueError as e:
+            return str(e)
     return ""
 
 
@@ -689,13 +679,10 @@ def test_a_rank_with_another_switch_fails_at_shard_naming_it(dist_pools, variabl
 def case_switches_read_once() -> dict:
     """The switches are read at fs.shard: changing the environment afterwards changes nothing."""
     model = fs.shard(TinyGPT(layers=1), policy=fs.wrap.by_type(Block))
-    os.environ["FLATSHARD_GLOO_P2P"] = "0"
-    try:
+    with patched_env(FLATSHARD_GLOO_P2P="0"):
         state = get_state(model)  # white-box: the stored switches
         model(torch.randint(0, 50, (2, 5))).sum().backward()
         return {"p2p": state.stats.p2p, "switches": state.switches.describe()}
-    finally:
-        del os.environ["FLATSHARD_GLOO_P2P"]
 
 
 def test_switches_are_read_once_at_shard(dist_pools):

@@ -3,6 +3,7 @@
 import pytest
 
 from parity_models import CASES, check_parity, train_parity
+from patching import patched_attr
 
 # hf_qwen2 (tied, q/k/v biases) and hf_neox sit at AdamW's noise floor (4.5e-5 and 2.2e-5 on
 # params after 5 steps at world 3, gradients within 4e-7): their parity runs with SGD in
@@ -46,11 +47,8 @@ def pieces_parity(name: str, strategy: str = "full_shard", recompute: bool = Fal
     Gloo point-to-point path that skips the flat copy; by default only for units >= 1 MiB)."""
     from flatshard.engine import flat_group
 
-    saved, flat_group.PIECES_MIN_BYTES = flat_group.PIECES_MIN_BYTES, 0
-    try:
+    with patched_attr(flat_group, "PIECES_MIN_BYTES", 0):
         return train_parity(name, 5, 2, strategy, recompute)
-    finally:
-        flat_group.PIECES_MIN_BYTES = saved
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -8,7 +8,6 @@ path (``FLATSHARD_GATHER_POOL=0``, foreign saved-tensor hooks) gives the same nu
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ import torch
 import flatshard as fs
 from flatshard.api import get_state
 from parity_models import Block, TinyGPT, _lm_loss, _tokens, train_parity
+from patching import patched_env
 
 
 def _sharded(
@@ -80,11 +80,8 @@ def test_gather_buffers_are_reused(dist_pools):
 
 
 def pool_off_parity(name: str):
-    os.environ["FLATSHARD_GATHER_POOL"] = "0"
-    try:
+    with patched_env(FLATSHARD_GATHER_POOL="0"):
         return train_parity(name)
-    finally:
-        del os.environ["FLATSHARD_GATHER_POOL"]
 
 
 @pytest.mark.parametrize("name", ["gpt_tied", "gpt_nested_units", "lora"])

@@ -1,0 +1,57 @@
+"""Every script in bench/ runs, at tiny sizes: a benchmark must not silently rot when the code
+under it moves. Only that it completes is checked (timings are never asserted); the scripts
+that already have their own tests (fault_*.py, soak.py in the slow suite) are not repeated.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+TINY = ["--dim", "32", "--layers", "1", "--heads", "2", "--vocab", "64"]
+
+SCRIPTS = {
+    "bench_step.py": (TORCHRUN, [*TINY, "--steps", "3", "--batch", "1", "--seq", "16"]),
+    "bench_checkpoint.py": (TORCHRUN, [*TINY, "--rounds", "1", "--seq", "8", "--dir", "{tmp}"]),
+    "bench_compile.py": (
+        TORCHRUN,
+        [*TINY, "--steps", "3", "--batch", "1", "--seq", "16", "--backend", "aot_eager"],
+    ),
+    "bench_precision.py": (
+        TORCHRUN,
+        ["--preset", "tiny", "--rows", "1", "--seq", "32", "--steps", "4"],
+    ),
+    "bench_packing.py": ([sys.executable], ["--quick", "--steps", "1"]),
+    "bench_checkpointing.py": ([sys.executable], ["--layers", "2", "--dim", "24"]),
+    "parity_report.py": ([sys.executable], ["--cases", "gpt_tied", "--worlds", "2"]),
+    "gpu_check.sh": (["bash"], ["{tmp}"]),
+}
+
+
+def test_every_bench_script_is_covered():
+    scripts = {p.name for p in (ROOT / "bench").iterdir() if p.suffix in (".py", ".sh")}
+    own_tests = {"fault_common.py", "fault_kill.py", "fault_restart.py", "fault_save.py", "soak.py"}
+    helpers = {"gpu_check.py"}  # run by gpu_check.sh
+    assert scripts - own_tests - helpers == set(SCRIPTS)
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_bench_script_runs_at_tiny_size(script, tmp_path):
+    launcher, args = SCRIPTS[script]
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GPU_CHECK_TIMEOUT_S": "240"}
+    done = subprocess.run(
+        [*launcher, str(ROOT / "bench" / script), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert done.returncode == 0, f"{script} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
