@@ -69,10 +69,14 @@ def test_export_cli_reports_a_missing_checkpoint(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
-def case_import(path: str) -> dict | None:
+def case_import(path: str, old_order: bool = False) -> dict | None:
     torch.manual_seed(9)
     model = fs.shard(TinyGPT(), policy=fs.wrap.by_size(1500))
-    ckpt.load_full_state_dict_from_file(model, path)
+    if old_order:  # the pre-0.2 spelling keeps working, with a DeprecationWarning
+        with pytest.warns(DeprecationWarning, match="path first"):
+            ckpt.load_full_state_dict_from_file(model, path)
+    else:
+        ckpt.load_full_state_dict_from_file(path, model=model)
     full = fs.full_state_dict(model)
     return full if dist.get_rank() == 0 else None
 
@@ -81,8 +85,8 @@ def test_import_from_safetensors_and_torch_files_at_world_3(dist_pools, exported
     root, full = exported
     plain = {k: v for k, v in full.items() if k != "head.proj.weight"}  # tied key left out
     torch.save(plain, root / "plain.pt")
-    for name in ("live.safetensors", "plain.pt"):
-        loaded = dist_pools(3).run(case_import, str(root / name))[0]
+    for name, old_order in (("live.safetensors", False), ("plain.pt", False), ("plain.pt", True)):
+        loaded = dist_pools(3).run(case_import, str(root / name), old_order)[0]
         assert set(loaded) == set(full)
         assert all(torch.equal(loaded[k], full[k]) for k in full), name
 
@@ -90,7 +94,7 @@ def test_import_from_safetensors_and_torch_files_at_world_3(dist_pools, exported
 def case_import_error(path: str) -> str:
     model = fs.shard(TinyGPT(layers=2), policy=fs.wrap.by_type(Block))
     try:
-        ckpt.load_full_state_dict_from_file(model, path)
+        ckpt.load_full_state_dict_from_file(path, model=model)
     except ValueError as err:
         return str(err)
     return "no error"

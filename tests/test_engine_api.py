@@ -202,6 +202,21 @@ def test_summon_rank0_only_holds_full_params_on_rank0_and_writes_back(dist_pools
     assert all(r["full_shape"] == 0.0 for r in results[1:])  # the others keep fragments
 
 
+def case_summon_positional_flags() -> dict:
+    """The old positional spelling ``summon_full_params(model, False)`` warns and still works."""
+    _, model = _tiny_pair()
+    before = fs.full_state_dict(model)
+    warned = pytest.warns(DeprecationWarning, match="by name")
+    with warned, fs.summon_full_params(model, False), torch.no_grad():  # writeback=False
+        model.emb.weight.add_(1.0)
+    after = fs.full_state_dict(model)
+    return {"unchanged": all(torch.equal(before[k], after[k]) for k in before)}
+
+
+def test_summon_full_params_positional_flags_are_deprecated(dist_pools):
+    assert all(r["unchanged"] for r in dist_pools(2).run(case_summon_positional_flags))
+
+
 def test_summon_full_params_writes_back_only_when_asked(dist_pools):
     results = dist_pools(3).run(case_summon)
     assert all(r["shape_ok"] == 1.0 and r["frag_ok"] == 1.0 for r in results)

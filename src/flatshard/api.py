@@ -9,6 +9,7 @@ import warnings
 
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from .comm.collectives import CommStats
 from .comm.debug import OpChecker
@@ -46,9 +47,9 @@ def shard(
     *,
     policy: Policy | None = None,
     strategy: str | ShardingStrategy = "full_shard",
-    mixed_precision=None,
-    offload=None,
-    mesh=None,
+    mixed_precision: MixedPrecision | None = None,
+    offload: CPUOffload | None = None,
+    mesh: DeviceMesh | dist.ProcessGroup | None = None,
     timeout_s: float | None = None,
     init_fn: InitFn | None = None,
     prefetch: Prefetch | None = None,

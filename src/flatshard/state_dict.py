@@ -7,6 +7,7 @@ copy, so the model's mesh must include every rank of the default group.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -139,7 +140,7 @@ def _agree_or_raise(error: str | None, state: ShardedState) -> None:
 
 @contextmanager
 def summon_full_params(
-    model: nn.Module, writeback: bool = True, rank0_only: bool = False
+    model: nn.Module, *legacy_flags: bool, writeback: bool = True, rank0_only: bool = False
 ) -> Iterator[nn.Module]:
     """Inside the block every parameter of ``model`` is its full tensor; with ``writeback``
     the edits made to them are written back to the shards on exit. Every rank must enter;
@@ -148,7 +149,18 @@ def summon_full_params(
 
     ``rank0_only``: only global rank 0 holds the full parameters (the others gather unit by
     unit and let go, keeping their fragments); on exit rank 0's edits are broadcast back.
+    Both flags are keyword-only (positional ones still work, with a ``DeprecationWarning``).
     """
+    if legacy_flags:
+        if len(legacy_flags) > 2:
+            raise TypeError("summon_full_params(model, *, writeback=..., rank0_only=...)")
+        warnings.warn(
+            "summon_full_params(model, writeback, rank0_only) with positional flags is "
+            "deprecated: pass writeback=... and rank0_only=... by name",
+            DeprecationWarning,
+            stacklevel=3,  # the caller of the context manager's __enter__
+        )
+        writeback, rank0_only = (*legacy_flags, rank0_only)[:2]
     state = get_state(model)
     if state.summoned:
         raise ValueError("summon_full_params is already active for this model; do not nest it")

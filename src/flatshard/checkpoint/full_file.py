@@ -10,6 +10,7 @@ stored under any of their names (Hugging Face files often keep only one).
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -95,13 +96,29 @@ def _open(path: Path, model: nn.Module) -> tuple[FileTensors | None, str | None]
 
 
 def load_full_state_dict_from_file(
-    model: nn.Module, path: str | os.PathLike, *, strict: bool = True
+    path: str | os.PathLike | nn.Module,
+    legacy_path: str | os.PathLike | None = None,
+    *,
+    model: nn.Module | None = None,
+    strict: bool = True,
 ) -> None:
-    """Load a full (unsharded) state-dict file into the sharded ``model``, streaming.
+    """Load a full (unsharded) state-dict file into the sharded ``model``, streaming:
+    ``load_full_state_dict_from_file(path, model=model)``, path first like ``fs.load``.
 
     Every rank must call it; only rank 0 reads ``path`` (other ranks need not see it). Keys
     and shapes are checked first and a mismatch raises the same ``ValueError`` on every rank.
+    The old order ``(model, path)`` still works, with a ``DeprecationWarning``.
     """
+    if isinstance(path, nn.Module):
+        warnings.warn(
+            "load_full_state_dict_from_file(model, path) is deprecated: write "
+            "load_full_state_dict_from_file(path, model=model) (path first, like fs.load)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        path, model = legacy_path, path  # type: ignore[assignment]
+    if model is None or path is None:
+        raise TypeError("load_full_state_dict_from_file(path, model=...) needs both")
     get_state(model)  # a clear error if the model is not sharded
     group = agree.world()  # load_full_state_dict's source is global rank 0
     tensors, error = None, None
