@@ -28,8 +28,14 @@ class FragmentTag:
 
     full_shape: torch.Size
     flat_range: tuple[int, int]  # elements [start, end) of the flattened full parameter
-    unit: int
+    unit: int  # index into ShardedState.units
+    group: int  # index into that unit's groups
+    index: int  # index into that group's specs
     state: weakref.ReferenceType  # the ShardedState of the model the fragment belongs to
+
+    @property
+    def full_numel(self) -> int:
+        return self.full_shape.numel()
 
 
 @dataclass(frozen=True)
@@ -57,9 +63,10 @@ def tag_fragments(state: ShardedState) -> None:
     """Give every fragment of ``state``'s units its ``FragmentTag`` (called by ``fs.shard``)."""
     ref = weakref.ref(state)
     for unit in state.units:
-        for group in unit.groups:
-            for spec in group.specs:
-                tag = FragmentTag(spec.shape, group.fragment_range(spec), unit.index, ref)
+        for gi, group in enumerate(unit.groups):
+            for pi, spec in enumerate(group.specs):
+                where = group.fragment_range(spec)
+                tag = FragmentTag(spec.shape, where, unit.index, gi, pi, ref)
                 setattr(spec.fragment, TAG, tag)
 
 

@@ -19,16 +19,7 @@ from .api import get_state
 from .comm.collectives import broadcast
 from .engine.state import ShardedState
 from .engine.unit import ParamState, Unit
-
-
-def _fragment_locations(state: ShardedState) -> dict[int, tuple[Unit, int, int]]:
-    """id(fragment) -> (unit, group index, parameter index)."""
-    where = {}
-    for unit in state.units:
-        for gi, group in enumerate(unit.groups):
-            for pi, spec in enumerate(group.specs):
-                where[id(spec.fragment)] = (unit, gi, pi)
-    return where
+from .params import fragment_tag, full_shape, is_fragment
 
 
 @torch.no_grad()
@@ -38,12 +29,10 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     state = get_state(model)
     is_rank0 = dist.get_rank() == 0
     refs = model.state_dict(keep_vars=True)
-    where = _fragment_locations(state)
     keys_of_unit: dict[int, list[tuple[str, int, int]]] = {}
     for key, value in refs.items():
-        if id(value) in where:
-            unit, gi, pi = where[id(value)]
-            keys_of_unit.setdefault(unit.index, []).append((key, gi, pi))
+        if (tag := fragment_tag(value)) is not None:  # where each fragment lives: its tag
+            keys_of_unit.setdefault(tag.unit, []).append((key, tag.group, tag.index))
     out: dict[str, torch.Tensor] = {}
     for unit in state.units:
         was_sharded = unit.state is ParamState.SHARDED
@@ -73,18 +62,17 @@ def load_full_state_dict(model: nn.Module, sd: dict, *, strict: bool = True) -> 
     state.reshard_all()
     rank = dist.get_rank()
     refs = model.state_dict(keep_vars=True)
-    where = _fragment_locations(state)
-    shapes = {k: _full_shape(v, where) for k, v in refs.items() if torch.is_tensor(v)}
+    shapes = {k: full_shape(v) for k, v in refs.items() if torch.is_tensor(v)}
     _agree_or_raise(_check_full_sd(sd, shapes, strict) if rank == 0 else None, state)
     first_key: dict[int, str] = {}  # tied parameters: the first of their names is the source
     for key, value in refs.items():
-        if id(value) in where:
+        if is_fragment(value):
             first_key.setdefault(id(value), key)
     for unit in state.units:
         for group in unit.groups:
             _load_group(group, sd, first_key, rank, state)
     for key, value in refs.items():
-        if id(value) not in where and torch.is_tensor(value):
+        if torch.is_tensor(value) and not is_fragment(value):
             source = sd[key].to(value.device, value.dtype) if rank == 0 else value.detach()
             buf = source.contiguous().clone()
             broadcast(buf, 0, dist.group.WORLD, state.stats)
@@ -100,14 +88,6 @@ def _load_group(group, sd: dict, first_key: dict, rank: int, state: ShardedState
     broadcast(full, 0, dist.group.WORLD, state.stats)
     lo = group.rank * group.shard_numel
     group.shard.copy_(full[lo : lo + group.shard_numel])
-
-
-def _full_shape(value: torch.Tensor, where: dict) -> torch.Size:
-    """The unsharded shape of a state-dict entry (a fragment's parameter, or a buffer)."""
-    if id(value) in where:
-        unit, gi, pi = where[id(value)]
-        return unit.groups[gi].specs[pi].shape
-    return value.shape
 
 
 def _check_full_sd(sd: dict, shapes: dict, strict: bool) -> str | None:

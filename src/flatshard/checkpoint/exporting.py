@@ -19,6 +19,7 @@ from torch import nn
 
 from ..api import get_state
 from ..engine.unit import ParamState
+from ..params import fragment_tag
 from . import agree
 from .layout import ModelLayout, dtype_from_name, model_layout
 from .loader import Opened, open_checkpoint, read_tensors, verify_files
@@ -45,16 +46,12 @@ def export_safetensors(
 
 def _unit_keys(model: nn.Module, layout: ModelLayout) -> dict[int, list[str]]:
     """Unit index -> its state_dict keys (tied names with their source), in key order."""
-    unit_of: dict[int, int] = {}
-    for unit in get_state(model).units:
-        for group in unit.groups:
-            for spec in group.specs:
-                unit_of[id(spec.fragment)] = unit.index
     keys: dict[int, list[str]] = {}
     for key in layout.keys:
         source = layout.aliases.get(key, key)
         if source in layout.params:
-            keys.setdefault(unit_of[id(layout.params[source].fragment)], []).append(key)
+            tag = fragment_tag(layout.params[source].fragment)
+            keys.setdefault(tag.unit, []).append(key)
     return keys
 
 

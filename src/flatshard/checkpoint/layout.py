@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..api import get_state
+from ..params import fragment_tag
 from . import jsonable
 from .planner import Item, Sharded
 
@@ -52,25 +53,19 @@ def model_layout(model: nn.Module) -> ModelLayout:
             "cannot checkpoint inside fs.summon_full_params (parameters are full views there); "
             "save or load after the with-block"
         )
-    where = {}
-    for unit in state.units:
-        for group in unit.groups:
-            for spec in group.specs:
-                where[id(spec.fragment)] = (group, spec)
     layout = ModelLayout({}, {}, {}, [])
     first: dict[int, str] = {}
     for key, value in model.state_dict(keep_vars=True).items():
         layout.keys.append(key)
         if key.startswith(OPTIM_PREFIX):
             raise ValueError(f"state_dict key {key!r} collides with the optimizer key prefix")
-        if id(value) in where:
+        if (tag := fragment_tag(value)) is not None:  # a fragment knows where it lives
             if id(value) in first:
                 layout.aliases[key] = first[id(value)]
                 continue
             first[id(value)] = key
-            group, spec = where[id(value)]
-            start, _ = group.fragment_range(spec)
-            layout.params[key] = ParamInfo(key, spec.fragment, start, spec.numel, spec.shape)
+            start = tag.flat_range[0]
+            layout.params[key] = ParamInfo(key, value, start, tag.full_numel, tag.full_shape)
         elif isinstance(value, torch.Tensor):
             layout.buffers[key] = value
         else:

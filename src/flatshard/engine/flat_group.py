@@ -18,7 +18,6 @@ bit-identical to what forward saw.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +36,7 @@ from ..comm.collectives import (
 from ..offload import CPUOffload, pin_if_useful, storage_device
 from ..precision import MixedPrecision, compute_dtype, reduce_dtype, sum_scaling
 from .gather_pool import GatheredBytes, GatherPool
+from .layout import FlatLayout, align_elements
 from .mesh import Topology
 
 
@@ -52,7 +52,6 @@ class ParamSpec:
     fragment: nn.Parameter
 
 
-ALIGN_BYTES = 16
 PIECES_MIN_BYTES = 1 << 20  # see FlatGroup.reduces_pieces
 
 
@@ -64,16 +63,6 @@ def _divided(flat_grad: torch.Tensor, pre: float) -> torch.Tensor:
 def _data_parallel_world(topo: Topology) -> int:
     replicas = dist.get_world_size(topo.replicate_group) if topo.replicate_group else 1
     return topo.shard_world * replicas
-
-
-def _aligned_offsets(params: list[nn.Parameter], align: int) -> list[int]:
-    """Start of each parameter in the flat buffer, then the end of the last one."""
-    offsets, position = [], 0
-    for p in params:
-        position = -(-position // align) * align
-        offsets.append(position)
-        position += p.numel()
-    return [*offsets, position]
 
 
 class FlatGroup:
@@ -102,14 +91,13 @@ class FlatGroup:
         self.rank = rank
         # Every parameter starts on a 16-byte boundary of the full buffer (in both the stored and
         # the compute dtype): GPU kernels (cuBLAS, inductor) pick slower paths for odd offsets.
-        itemsize = min(self.dtype.itemsize, self.compute_dtype.itemsize)
-        self.align = max(1, ALIGN_BYTES // itemsize)
-        total = _aligned_offsets(params, self.align)[-1]
-        self.padded_numel = max(world, math.ceil(total / world) * world)
-        self.shard_numel = self.padded_numel // world
+        align = align_elements(self.dtype, self.compute_dtype)
+        self.layout = FlatLayout([p.shape for p in params], world=world, rank=rank, align=align)
+        self.padded_numel = self.layout.padded_numel
+        self.shard_numel = self.layout.shard_numel
         self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.storage)
         self.shard = pin_if_useful(self.shard, device)
-        self.specs = self._layout(params, rank)
+        self.specs = self._fragments(params)
         # Not sharded (no_shard) in the stored dtype: the shard is the full buffer, nothing to
         # gather or free. With a cast (mixed precision) the full buffer is its own tensor.
         self.replicated = world == 1 and self.compute_dtype == self.dtype and self.storage == device
@@ -127,26 +115,21 @@ class FlatGroup:
         self._chunk_spans: list[list[gloo_p2p.Span]] | None = None  # see _reduce_scatter
         self.free_full()
 
-    def _layout(self, params: list[nn.Parameter], rank: int) -> list[ParamSpec]:
-        lo, hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
+    def _fragments(self, params: list[nn.Parameter]) -> list[ParamSpec]:
+        """Copy this rank's part of each parameter into the shard; one fragment view each."""
         specs = []
-        for param, offset in zip(params, _aligned_offsets(params, self.align), strict=False):
-            n = param.numel()
-            start, end = max(offset, lo), min(offset + n, hi)
-            end = max(start, end)
-            if end > start and param.device.type != "meta":
-                src = param.detach().reshape(-1)[start - offset : end - offset]
-                self.shard[start - lo : end - lo].copy_(src)
-            fragment = nn.Parameter(
-                self.shard[start - lo : end - lo], requires_grad=param.requires_grad
-            )
-            specs.append(ParamSpec(param.shape, offset, n, start - lo, end - lo, fragment))
+        for param, place in zip(params, self.layout.places, strict=True):
+            lo, hi = place.local_start, place.local_end
+            if hi > lo and param.device.type != "meta":
+                start, end = self.layout.fragment_range(place)
+                self.shard[lo:hi].copy_(param.detach().reshape(-1)[start:end])
+            fragment = nn.Parameter(self.shard[lo:hi], requires_grad=param.requires_grad)
+            specs.append(ParamSpec(place.shape, place.offset, place.numel, lo, hi, fragment))
         return specs
 
     def fragment_range(self, spec: ParamSpec) -> tuple[int, int]:
         """The elements ``[start, end)`` of the flattened parameter that ``spec.fragment`` holds."""
-        shard_start = self.rank * self.shard_numel
-        start = shard_start + spec.local_start - spec.offset
+        start = self.layout.shard_start + spec.local_start - spec.offset
         return start, start + (spec.local_end - spec.local_start)
 
     # ---- full buffer -------------------------------------------------------------------------

@@ -6,8 +6,9 @@ byte widths come from :class:`Precision`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from ..engine.layout import padded_numel
 
 __all__ = ["STRATEGIES", "Layout", "ModelSpec", "Precision", "Workload"]
 
@@ -255,9 +256,9 @@ class Layout:
         return OPTIMIZER_BYTES[self.optimizer]
 
     def padded(self, numel: int) -> int:
-        """A unit's flat size: padded to a multiple of the shard group (at least one each)."""
-        w = self.shard_world
-        return max(w, math.ceil(numel / w) * w)
+        """A unit's flat size: padded to a multiple of the shard group (at least one each),
+        as ``engine.layout`` pads it (the 16-byte alignment gaps are left out: < 16 B each)."""
+        return padded_numel(numel, self.shard_world)
 
 
 @dataclass(frozen=True)
