@@ -41,8 +41,8 @@ def case_buffers_are_reused() -> dict[str, object]:
         seen = set()
         original = state.pool.acquire
 
-        def spy(group, original=original, seen=seen):
-            buf = original(group)
+        def spy(*args, original=original, seen=seen, **kwargs):
+            buf = original(*args, **kwargs)
             seen.add(buf.untyped_storage().data_ptr())
             return buf
 

@@ -6,6 +6,7 @@ import datetime
 import enum
 import os
 import warnings
+from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch import nn
@@ -73,52 +74,31 @@ def shard(
     reshard would only regather it). ``True`` releases it after forward like any unit: the
     root's gathered bytes are free while the loss is computed, for one all-gather more a step.
     """
-    strategy = _check_arguments(model, strategy, mixed_precision, offload)
-    if reshard_root and strategy not in RESHARD_AFTER_FORWARD:
-        warnings.warn(
-            f"fs.shard(reshard_root=True) has no effect with strategy={strategy.value!r}: its "
-            "units stay gathered until their backward (use full_shard or hybrid_shard)",
-            stacklevel=2,
-        )
-    if prefetch is not None and not isinstance(prefetch, Prefetch):
-        raise TypeError(f"prefetch={prefetch!r}: pass fs.Prefetch(forward=..., backward=...)")
-    require_initialized()
-    topology = resolve_topology(strategy.value, mesh)
-    policy = auto() if policy is None else policy
-    plan = build_plan(model, policy)
-    if not plan.matched_any and not isinstance(policy, auto | root_only):
-        raise ValueError(
-            f"policy={policy!r} matched no module of {type(model).__name__}; check the class "
-            "names or sizes it selects (everything would fall into one root unit)"
-        )
-    switches = Switches.from_environ()
-    description = _describe(model, plan, strategy, mixed_precision)
-    check_ranks_agree(
-        [*switches.describe(), *description, f"reshard_root={reshard_root}"], dist.group.WORLD
+    options = _options(
+        model, strategy, mixed_precision, offload, timeout_s, init_fn, prefetch, reshard_root
     )
+    require_initialized()
+    topology = resolve_topology(options.strategy.value, mesh)
+    plan = _plan(model, policy)
+    switches = Switches.from_environ()
+    check_ranks_agree([*switches.describe(), *_describe(model, plan, options)], dist.group.WORLD)
     stats = CommStats(checker=OpChecker() if switches.debug else None, p2p=switches.gloo_p2p)
-    state = _build_state(
-        model, plan, strategy, topology, _timeout(timeout_s), init_fn, mixed_precision, offload,
-        reshard_root, stats,
-    )  # fmt: skip
-    state.switches = switches
-    state.prefetch_policy = prefetch if prefetch is not None else Prefetch()
-    if switches.gather_pool:
-        state.enable_gather_pool()
-    state.mixed_precision = mixed_precision
+    units = _build_units(model, plan, topology, stats, options)
+    state = ShardedState(
+        units,
+        topology=topology,
+        stats=stats,
+        timeout=options.timeout,
+        prefetch=options.prefetch,
+        switches=switches,
+    )
     check_nothing_on_meta(model)
-    buffer_dtype = mixed_precision.buffer_dtype if mixed_precision is not None else None
-    for buf_module in model.modules():
-        for name, buf in buf_module._buffers.items():
-            if buf is None:
-                continue
-            dtype = buffer_dtype if buffer_dtype and buf.is_floating_point() else buf.dtype
-            buf_module._buffers[name] = buf.to(topology.device, dtype)
+    _place_buffers(model, topology, mixed_precision)
     tag_fragments(state)
     guard_optimizers()
-    state.hook_handles = hooks.register_hooks(state)
+    hooks.register_hooks(state)
     if mixed_precision is not None:
-        state.hook_handles += hooks.register_precision_casts(model, mixed_precision)
+        hooks.register_precision_casts(model, mixed_precision)
     setattr(model, STATE_ATTR, state)
     return model
 
@@ -134,16 +114,23 @@ def get_state(model: nn.Module) -> ShardedState:
     return state
 
 
-def _check_arguments(model, strategy, mixed_precision, offload) -> ShardingStrategy:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"fs.shard(model=...) got a {type(model).__name__}; pass a torch.nn.Module")
-    for name, sub in model.named_modules():
-        if hasattr(sub, STATE_ATTR):
-            where = f"its submodule {name!r}" if name else "it"
-            raise ValueError(
-                f"{type(model).__name__} is already sharded ({where} went through fs.shard); "
-                "call fs.shard once, on the root module, with a policy for the inner units"
-            )
+@dataclass(frozen=True)
+class _Options:
+    """``fs.shard``'s arguments, checked."""
+
+    strategy: ShardingStrategy
+    mixed_precision: MixedPrecision | None
+    offload: CPUOffload | None
+    timeout: datetime.timedelta
+    init_fn: InitFn | None
+    prefetch: Prefetch
+    reshard_root: bool
+
+
+def _options(
+    model, strategy, mixed_precision, offload, timeout_s, init_fn, prefetch, reshard_root
+) -> _Options:
+    _check_model(model)
     try:
         parsed = ShardingStrategy(strategy)
     except ValueError:
@@ -155,7 +142,29 @@ def _check_arguments(model, strategy, mixed_precision, offload) -> ShardingStrat
         )
     if offload is not None and not isinstance(offload, CPUOffload):
         raise TypeError(f"offload={offload!r}: pass fs.CPUOffload(params=True)")
-    return parsed
+    if prefetch is not None and not isinstance(prefetch, Prefetch):
+        raise TypeError(f"prefetch={prefetch!r}: pass fs.Prefetch(forward=..., backward=...)")
+    if reshard_root and parsed not in RESHARD_AFTER_FORWARD:
+        warnings.warn(
+            f"fs.shard(reshard_root=True) has no effect with strategy={parsed.value!r}: its "
+            "units stay gathered until their backward (use full_shard or hybrid_shard)",
+            stacklevel=3,
+        )
+    prefetch = prefetch if prefetch is not None else Prefetch()
+    timeout = _timeout(timeout_s)
+    return _Options(parsed, mixed_precision, offload, timeout, init_fn, prefetch, reshard_root)
+
+
+def _check_model(model) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fs.shard(model=...) got a {type(model).__name__}; pass a torch.nn.Module")
+    for name, sub in model.named_modules():
+        if hasattr(sub, STATE_ATTR):
+            where = f"its submodule {name!r}" if name else "it"
+            raise ValueError(
+                f"{type(model).__name__} is already sharded ({where} went through fs.shard); "
+                "call fs.shard once, on the root module, with a policy for the inner units"
+            )
 
 
 def _timeout(timeout_s: float | None) -> datetime.timedelta:
@@ -169,31 +178,31 @@ def _timeout(timeout_s: float | None) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
-def _describe(
-    model: nn.Module, plan: WrapPlan, strategy: ShardingStrategy, mixed_precision
-) -> list[str]:
+def _plan(model: nn.Module, policy: Policy | None) -> WrapPlan:
+    policy = auto() if policy is None else policy
+    plan = build_plan(model, policy)
+    if not plan.matched_any and not isinstance(policy, auto | root_only):
+        raise ValueError(
+            f"policy={policy!r} matched no module of {type(model).__name__}; check the class "
+            "names or sizes it selects (everything would fall into one root unit)"
+        )
+    return plan
+
+
+def _describe(model: nn.Module, plan: WrapPlan, options: _Options) -> list[str]:
+    """What this rank is about to shard (the fingerprint's lines)."""
     unit_names = {id(m): n or "<root>" for n, m in model.named_modules() if m in plan.unit_modules}
-    lines = [f"strategy={strategy.value}", f"mixed_precision={mixed_precision!r}"]
+    lines = [f"strategy={options.strategy.value}", f"mixed_precision={options.mixed_precision!r}"]
     lines += [f"unit {unit_names[id(m)]}" for m in plan.unit_modules]
     for name, p in model.named_parameters():
         lines.append(f"param {name} {tuple(p.shape)} {p.dtype} grad={p.requires_grad}")
     for name, b in model.named_buffers():
         lines.append(f"buffer {name} {tuple(b.shape)} {b.dtype}")
-    return lines
+    return [*lines, f"reshard_root={options.reshard_root}"]
 
 
-def _build_state(
-    model: nn.Module,
-    plan: WrapPlan,
-    strategy: ShardingStrategy,
-    topology: Topology,
-    timeout: datetime.timedelta,
-    init_fn: InitFn | None,
-    mixed_precision: MixedPrecision | None,
-    offload: CPUOffload | None,
-    reshard_root: bool,
-    stats: CommStats,
-) -> ShardedState:
+def _owned_parameters(model: nn.Module, plan: WrapPlan) -> tuple[list[list], dict]:
+    """Per unit module the parameters it owns (each once), and every parameter's places."""
     slots: dict[int, list[tuple[nn.Module, str]]] = {}
     owned: list[list[nn.Parameter]] = [[] for _ in plan.unit_modules]
     for module in model.modules():
@@ -203,7 +212,14 @@ def _build_state(
             if id(p) not in slots:
                 owned[plan.owner[id(p)]].append(p)
             slots.setdefault(id(p), []).append((module, name))
-    units = []
+    return owned, slots
+
+
+def _build_units(
+    model: nn.Module, plan: WrapPlan, topology: Topology, stats: CommStats, options: _Options
+) -> list[Unit]:
+    owned, slots = _owned_parameters(model, plan)
+    units: list[Unit] = []
     built = {id(m) for m, params in zip(plan.unit_modules, owned, strict=True) if params}
     on_meta = has_meta(model)
     for module, params in zip(plan.unit_modules, owned, strict=True):
@@ -211,26 +227,30 @@ def _build_state(
             continue
         if on_meta:
             others = built - {id(module)}
-            params = materialize_unit(module, params, slots, others, topology.device, init_fn)
+            params = materialize_unit(
+                module, params, slots, others, topology.device, options.init_fn
+            )
         # The root's backward comes first, so resharding it after forward would only regather.
-        reshard = strategy in RESHARD_AFTER_FORWARD and (module is not model or reshard_root)
-        unit = Unit(
-            len(units),
-            module,
-            params,
-            slots,
-            topology=topology,
-            stats=stats,
-            reshard_after_forward=reshard,
-            mixed_precision=mixed_precision,
-            offload=offload,
+        is_root = module is model
+        reshard = options.strategy in RESHARD_AFTER_FORWARD and (
+            not is_root or options.reshard_root
         )
+        unit = Unit(
+            len(units), module, params, slots, topology=topology, stats=stats,
+            reshard_after_forward=reshard, mixed_precision=options.mixed_precision,
+            offload=options.offload,
+        )  # fmt: skip
         units.append(unit)
-    return ShardedState(
-        units,
-        topology=topology,
-        stats=stats,
-        timeout=timeout,
-        strategy=strategy.value,
-        prefetch=Prefetch(),
-    )
+    return units
+
+
+def _place_buffers(model: nn.Module, topology: Topology, mp: MixedPrecision | None) -> None:
+    """Module buffers to the compute device (floating ones in ``buffer_dtype`` under mixed
+    precision); they are not sharded."""
+    buffer_dtype = mp.buffer_dtype if mp is not None else None
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is None:
+                continue
+            dtype = buffer_dtype if buffer_dtype and buf.is_floating_point() else buf.dtype
+            module._buffers[name] = buf.to(topology.device, dtype)

@@ -149,7 +149,9 @@ class FlatGroup:
         if self.is_allocated:
             return
         if self.pool is not None and not self.keep_private:
-            self._borrowed = self.pool.acquire(self)
+            self._borrowed = self.pool.acquire(
+                self.padded_numel, self.compute_dtype, self.device, owner=self
+            )
             self.full = self._borrowed[: self.padded_numel]
         else:
             self._resize_private(self._full_bytes)

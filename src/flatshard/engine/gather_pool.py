@@ -20,12 +20,7 @@ saved-tensor hooks of their own around the forward) the unit moves to its privat
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-
-if TYPE_CHECKING:
-    from .flat_group import FlatGroup
 
 Kind = tuple[torch.dtype, torch.device]
 
@@ -51,21 +46,24 @@ class GatherPool:
         self.keep = keep
         self.account = account
         self._free: dict[Kind, list[torch.Tensor]] = {}
-        self.live: dict[int, tuple[FlatGroup, torch.Tensor]] = {}  # address -> (user, buffer)
+        # address -> (owner, buffer); the owner is opaque here (saved_views asks for it back)
+        self.live: dict[int, tuple[object, torch.Tensor]] = {}
         self.allocations = 0  # buffers created so far (tests: constant after the first step)
 
-    def acquire(self, group: FlatGroup) -> torch.Tensor:
-        """A 1-D buffer of at least ``group.padded_numel`` elements for ``group``'s gather; a
-        free one no more than twice that size if there is one, else a new exact-size one."""
-        numel, free = group.padded_numel, self._free.get((group.compute_dtype, group.device), [])
+    def acquire(
+        self, numel: int, dtype: torch.dtype, device: torch.device, owner: object
+    ) -> torch.Tensor:
+        """A 1-D buffer of at least ``numel`` elements for ``owner``'s gather; a free one no
+        more than twice that size if there is one, else a new exact-size one."""
+        free = self._free.get((dtype, device), [])
         fits = [i for i, buf in enumerate(free) if numel <= buf.numel() <= 2 * numel]
         if fits:
             buf = free.pop(min(fits, key=lambda i: free[i].numel()))
         else:
             self.allocations += 1
-            buf = torch.empty(numel, dtype=group.compute_dtype, device=group.device)
+            buf = torch.empty(numel, dtype=dtype, device=device)
             self.account.change(_nbytes(buf))
-        self.live[buf.untyped_storage().data_ptr()] = (group, buf)
+        self.live[buf.untyped_storage().data_ptr()] = (owner, buf)
         return buf
 
     def release(self, buf: torch.Tensor) -> None:
@@ -85,8 +83,8 @@ class GatherPool:
             self.account.change(-_nbytes(buf))
         self._free.clear()
 
-    def owner(self, tensor: torch.Tensor) -> FlatGroup | None:
-        """The group whose pooled buffer ``tensor`` views, if any."""
+    def owner(self, tensor: torch.Tensor) -> object | None:
+        """The owner (a ``FlatGroup``) of the pooled buffer ``tensor`` views, if any."""
         user = self.live.get(tensor.untyped_storage().data_ptr())
         return None if user is None else user[0]
 

@@ -209,28 +209,11 @@ def recompute_views(state: ShardedState, unit: Unit) -> list[list[torch.Tensor]]
 
 
 def accumulate_grads(state: ShardedState, unit: Unit, grads: tuple, *, final: bool) -> None:
-    """Add one node's per-parameter gradients to the unit's. ``final``: the node of the unit's
-    last forward call, whose gradients may be reduced straight from the pieces."""
+    """Add one node's per-parameter gradients to the unit's. ``final``: the node of a forward
+    call (not a recomputation's), which may be the last before the unit reduces."""
     _queue_final_callback(state)
-    offset = 0
-    for gi in unit.trainable_groups:
-        group = unit.groups[gi]
-        mine = grads[offset : offset + len(group.specs)]
-        offset += len(group.specs)
-        if all(g is None for g in mine):
-            continue
-        previous = unit.grad.flat_grads[gi]
-        if (
-            previous is None
-            and final
-            and _reduce_right_away(state, unit)
-            and group.reduces_pieces(state.topology, state.stats.p2p)
-        ):
-            unit.grad.flat_grads[gi] = tuple(mine)  # reduced without a flat copy
-        else:
-            flat = group.flat_grad_from(mine)
-            unit.grad.flat_grads[gi] = flat if previous is None else previous.add_(flat)
-        unit.grad.used[gi] |= torch.tensor([g is not None for g in mine])
+    reduce_now = final and _reduce_right_away(state, unit)
+    unit.accumulate(grads, reduce_now=reduce_now, topology=state.topology, p2p=state.stats.p2p)
 
 
 def on_unit_grads(state: ShardedState, unit: Unit, grads: tuple) -> None:

@@ -20,21 +20,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..comm.collectives import CommStats, PendingWork, all_reduce
+from ..comm.collectives import CommStats, all_reduce
 from ..prefetch import Prefetch
 from ..switches import Switches
 from .gather_pool import GatheredBytes, GatherPool
 from .mesh import Topology
-from .unit import ParamState, Unit
-
-
-@dataclass
-class PendingReduce:
-    unit: Unit
-    group_index: int
-    grad_shard: torch.Tensor
-    used: torch.Tensor
-    work: PendingWork
+from .unit import ParamState, PendingReduce, Unit
 
 
 @dataclass
@@ -75,8 +66,8 @@ class ShardedState:
         topology: Topology,
         stats: CommStats,
         timeout: datetime.timedelta,
-        strategy: str,
         prefetch: Prefetch,
+        switches: Switches,
         max_inflight_reduces: int = 2,
     ) -> None:
         self.units = units
@@ -85,35 +76,33 @@ class ShardedState:
         self.group = topology.shard_group  # parameters are sharded over it (None: not sharded)
         self.stats = stats
         self.timeout = timeout
-        self.strategy = strategy
         self.prefetch_policy = prefetch
+        self.switches = switches  # the FLATSHARD_* switches read at fs.shard
         self.forward_order = StepOrder()
         self.backward_order = StepOrder()
         self.max_inflight_reduces = max_inflight_reduces
         self._inflight: deque[PendingReduce] = deque()
         self._reduced: list[PendingReduce] = []
         self.final_callback_queued = False
-        self.hook_handles: list = []  # forward hooks on the unit modules
         self.summoned = False  # inside summon_full_params: hooks stand aside
         self.defer_reduce = False  # inside no_sync(keep="unsharded"): keep flat gradients
-        self.mixed_precision = None  # fs.MixedPrecision or None
-        self.switches = Switches()  # the FLATSHARD_* switches read at fs.shard
-        self.pool: GatherPool | None = None  # reused gather buffers, see enable_gather_pool
         self.gathered_bytes = GatheredBytes()
         for g in (g for u in units for g in u.groups if not g.replicated):
             g.account = self.gathered_bytes
+        self.pool = self._gather_pool() if switches.gather_pool else None
 
-    def enable_gather_pool(self) -> None:
-        """Let the units that reshard after forward gather into reused buffers (enough for
-        the current unit and those prefetched). Not called with ``FLATSHARD_GATHER_POOL=0``:
-        one buffer per unit, allocated at each gather and freed at each reshard."""
+    def _gather_pool(self) -> GatherPool | None:
+        """Reused gather buffers for the units that reshard after forward (enough for the
+        current unit and those prefetched); with ``FLATSHARD_GATHER_POOL=0`` none: one buffer
+        per unit, allocated at each gather and freed at each reshard."""
         pooled = [g for u in self.units if u.reshard_after_forward for g in u.groups]
         pooled = [g for g in pooled if not g.replicated]
-        if pooled:
-            keep = max(2, self.prefetch_policy.forward + 1)
-            self.pool = GatherPool(keep, self.gathered_bytes)
-            for g in pooled:
-                g.pool = self.pool
+        if not pooled:
+            return None
+        pool = GatherPool(max(2, self.prefetch_policy.forward + 1), self.gathered_bytes)
+        for g in pooled:
+            g.pool = pool
+        return pool
 
     def gathered_buffers(self) -> list[torch.Tensor]:
         """Every buffer that holds (or is kept for) gathered parameters now (accounting)."""
@@ -142,23 +131,15 @@ class ShardedState:
 
     # ---- gradient reduction ------------------------------------------------------------------
     def launch_reduce(self, unit: Unit) -> None:
-        """Start the reduce-scatter of each trainable group's flat gradient."""
-        for gi in unit.trainable_groups:
-            flat = unit.grad.flat_grads[gi]
-            group = unit.groups[gi]
-            if flat is None:
-                flat = group.zeros_flat_grad()
-            used = unit.grad.used[gi]
-            grad_shard, work = group.start_reduce(flat, self.topology, self.stats)
-            self._inflight.append(PendingReduce(unit, gi, grad_shard, used, work))
-        unit.reset_grad_state()
+        """Start ``unit``'s reduction (it owns it: ``Unit.start_reduce``) and keep it in flight."""
+        self._inflight.extend(unit.start_reduce(self.topology, self.stats))
         # Bound the memory held by flat gradients still being reduced.
         while len(self._inflight) > self.max_inflight_reduces:
             self._finish_oldest_reduce()
 
     def _finish_oldest_reduce(self) -> None:
         pending = self._inflight.popleft()
-        pending.work.wait(self.timeout)
+        pending.wait(self.timeout)
         self._reduced.append(pending)
 
     def finish_backward(self) -> None:
@@ -179,7 +160,7 @@ class ShardedState:
         if reduced:
             used = self._agree_on_usage([r.used for r in reduced])
             for r, used_globally in zip(reduced, used, strict=True):
-                r.unit.groups[r.group_index].assign_grads(r.grad_shard, used_globally, self.stats)
+                r.assign(used_globally, self.stats)
         self.reshard_all()
         self.forward_order.freeze()
         self.backward_order.freeze()

@@ -53,6 +53,23 @@ class GradState:
     used: list[torch.Tensor] = field(default_factory=list)  # per group: bool per parameter
 
 
+@dataclass
+class PendingReduce:
+    """One group's gradient reduction in flight: the mirror of a pending gather."""
+
+    group: FlatGroup
+    grad_shard: torch.Tensor  # this rank's part of the averaged gradient, once ``wait`` returns
+    used: torch.Tensor  # bool per parameter: used on this rank in this backward
+    work: PendingWork
+
+    def wait(self, timeout) -> None:
+        self.work.wait(timeout)
+
+    def assign(self, used_globally: torch.Tensor, stats: CommStats) -> None:
+        """Hand the fragments their gradients (after the ranks agreed on usage)."""
+        self.group.assign_grads(self.grad_shard, used_globally, stats)
+
+
 class Unit:
     """Parameters of one wrapped module, sharded as flat groups."""
 
@@ -156,6 +173,39 @@ class Unit:
         for g in self.groups:
             g.free_full()
         self.state = ParamState.SHARDED
+
+    # ---- gradient accumulation and reduction ---------------------------------------------------
+    def accumulate(self, grads: tuple, *, reduce_now: bool, topology: Topology, p2p: bool) -> None:
+        """Add one autograd node's per-parameter gradients (``None``: unused by that call).
+        ``reduce_now``: they are the last before this unit's reduction, so a group whose
+        gradient can be sent from its pieces keeps them as they are (no flat copy)."""
+        offset = 0
+        for gi in self.trainable_groups:
+            group = self.groups[gi]
+            mine = grads[offset : offset + len(group.specs)]
+            offset += len(group.specs)
+            if all(g is None for g in mine):
+                continue
+            previous = self.grad.flat_grads[gi]
+            if previous is None and reduce_now and group.reduces_pieces(topology, p2p):
+                self.grad.flat_grads[gi] = tuple(mine)  # reduced without a flat copy
+            else:
+                flat = group.flat_grad_from(mine)
+                self.grad.flat_grads[gi] = flat if previous is None else previous.add_(flat)
+            self.grad.used[gi] |= torch.tensor([g is not None for g in mine])
+
+    def start_reduce(self, topology: Topology, stats: CommStats) -> list[PendingReduce]:
+        """Start averaging each trainable group's gradient over the data-parallel ranks (zeros
+        for a group no call used: every rank must issue the same collectives)."""
+        pending = []
+        for gi in self.trainable_groups:
+            group, flat = self.groups[gi], self.grad.flat_grads[gi]
+            if flat is None:
+                flat = group.zeros_flat_grad()
+            grad_shard, work = group.start_reduce(flat, topology, stats)
+            pending.append(PendingReduce(group, grad_shard, self.grad.used[gi], work))
+        self.reset_grad_state()
+        return pending
 
     @property
     def trainable_groups(self) -> list[int]:
