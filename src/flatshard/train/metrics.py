@@ -122,7 +122,7 @@ class MetricsLog:
             return None
         try:
             from tqdm import tqdm  # imported only when a bar is shown
-        except ImportError:  # a core dependency, but a bar is not worth failing a run for
+        except ImportError:  # the [train] extra; a bar is not worth failing a run for
             return None
         return tqdm(total=total, initial=first_step, unit="step", dynamic_ncols=True, desc="train")
 

@@ -60,7 +60,7 @@ def write_plots(rows: list[dict[str, Any]], out: Path, *, title: str, memory_kin
         plot_loss(rows, out / "loss.png", title)
         plot_memory(rows, out / "memory.png", memory_kind)
     except ImportError:
-        return "plots skipped: matplotlib is not installed (pip install matplotlib)"
+        return "plots skipped: matplotlib is not installed (pip install 'flatshard[train]')"
     except (OSError, ValueError, RuntimeError) as e:
         return f"plots skipped: {type(e).__name__}: {e}"
     return ""

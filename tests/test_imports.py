@@ -1,0 +1,33 @@
+"""``import flatshard`` and ``fs.shard`` pull in none of the tools' heavy dependencies."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+HEAVY = ("matplotlib", "tqdm", "rich", "tensorboard", "transformers", "lightning")
+
+SCRIPT = """
+import json, sys
+import torch, torch.distributed as dist
+before = set(sys.modules)  # torch itself may import some (torch.hub imports tqdm if present)
+import flatshard as fs
+from torch import nn
+dist.init_process_group("gloo", init_method="file://{store}", rank=0, world_size=1)
+model = fs.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), policy=fs.wrap.by_type(nn.Linear))
+model(torch.randn(3, 4)).sum().backward()
+torch.optim.AdamW(model.parameters()).step()
+dist.destroy_process_group()
+print(json.dumps(sorted(set(sys.modules) - before)))
+"""
+
+
+def test_import_and_shard_do_not_import_heavy_dependencies(tmp_path):
+    code = SCRIPT.format(store=Path(tmp_path) / "store")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    new = json.loads(done.stdout.strip().splitlines()[-1])
+    heavy = [m for m in new if m.split(".")[0] in HEAVY]
+    assert heavy == [], f"import flatshard / fs.shard imported {heavy}"
