@@ -434,6 +434,28 @@ def train_parity(
     )
 
 
+def state_dict_err(model: nn.Module, ref: nn.Module) -> float:
+    """Rank 0: the largest relative difference between the sharded model's full state dict and
+    the reference's (0.0 on other ranks). Every rank must call it (it gathers)."""
+    full = fs.full_state_dict(model)
+    return (
+        max((rel_err(full[k], v) for k, v in ref.state_dict().items()), default=0.0)
+        if full
+        else 0.0
+    )
+
+
+def parity_step(model: nn.Module, ref: nn.Module, opts, batch: torch.Tensor, loss_fn) -> None:
+    """One step of the parity pattern: the sharded model on this rank's slice of ``batch``,
+    the reference on all of it, both optimizers (``opts = (opt, ref_opt)``) step and zero."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    loss_fn(model, batch.chunk(world)[rank]).backward()
+    loss_fn(ref, batch).backward()
+    for opt in opts:
+        opt.step()
+        opt.zero_grad()
+
+
 def check_parity(results: list[dict], label: str, tolerance: float = 1e-5) -> None:
     """Assert ``train_parity``'s per-rank results: every rank's gradients and None-ness, rank
     0's state dict and losses, and a rare noise floor."""

@@ -14,7 +14,7 @@ from torch import nn
 
 import flatshard as fs
 from flatshard.api import get_state
-from parity_models import Block, LoRAModel, TinyGPT, mesh_for, rel_err
+from parity_models import Block, LoRAModel, TinyGPT, mesh_for, parity_step, rel_err, state_dict_err
 from patching import patched_attr, patched_env
 
 
@@ -237,8 +237,7 @@ def case_clip(norm_type: float, strategy: str, form: str = "model") -> tuple[flo
     # Compare the clipped gradients through one SGD step.
     torch.optim.SGD(model.parameters(), lr=1.0).step()
     torch.optim.SGD(ref.parameters(), lr=1.0).step()
-    full = fs.full_state_dict(model)
-    sd_err = max(rel_err(full[k], v) for k, v in ref.state_dict().items()) if full else 0.0
+    sd_err = state_dict_err(model, ref)
     return rel_err(total, ref_total), sd_err
 
 
@@ -379,8 +378,7 @@ def case_no_sync(keep: str, strategy: str) -> dict:
         sum(_lm(ref, b) / 2 for b in batches).backward()
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
-    full = fs.full_state_dict(model)
-    err = max(rel_err(full[k], v) for k, v in ref.state_dict().items()) if full else 0.0
+    err = state_dict_err(model, ref)
     return {"err": err, "reductions_inside": max(inside)}
 
 
@@ -535,16 +533,12 @@ def case_prefetch(forward: int, backward: str) -> dict:
     model.blocks[0].register_forward_pre_hook(
         lambda *_: gathered.append(sum(u.gathered for u in fs.units(model)))
     )
-    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref))
-    world, rank = dist.get_world_size(), dist.get_rank()
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref)]
+    world = dist.get_world_size()
     for step in range(3):
         batch = torch.randint(0, 50, (2 * world, 13), generator=torch.Generator().manual_seed(step))
-        _lm(model, batch.chunk(world)[rank]).backward()
-        _lm(ref, batch).backward()
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
-    full = fs.full_state_dict(model)
-    err = max(rel_err(full[k], v) for k, v in ref.state_dict().items()) if full else 0.0
+        parity_step(model, ref, opts, batch, _lm)
+    err = state_dict_err(model, ref)
     return {"err": err, "gathered_at_block0": gathered[-1]}
 
 
@@ -645,8 +639,7 @@ def case_reshard_root() -> dict:
                 if p.grad is not None:
                     p.data.add_(p.grad, alpha=-0.5)
                     p.grad = None
-        full = fs.full_state_dict(model)
-        err = max(rel_err(full[k], v) for k, v in ref.state_dict().items()) if full else 0.0
+        err = state_dict_err(model, ref)
         out[reshard_root] = {"gathers": fs.comm_stats(model).calls["all_gather"], "err": err,
                              "root_at_loss": gathered_at_loss[-1]}  # fmt: skip
     return out
