@@ -193,55 +193,41 @@ def _hf_gpt2() -> nn.Module:
     return GPT2LMHeadModel(cfg)
 
 
-def _hf_llama() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+# The small decoder every HF test model shares (std 0.2: see _hf_gpt2).
+HF_SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=43,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=SEQ + 1,
+    initializer_range=0.2,
+)
 
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=43,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ + 1,
-        tie_word_embeddings=False,
-        initializer_range=0.2,
+
+def _hf_causal_lm(config_name: str, model_name: str, **overrides) -> nn.Module:
+    import transformers
+
+    config = getattr(transformers, config_name)(**{**HF_SMALL, **overrides})
+    return getattr(transformers, model_name)(config)
+
+
+def _hf_llama() -> nn.Module:
+    return _hf_causal_lm(
+        "LlamaConfig", "LlamaForCausalLM", num_key_value_heads=2, tie_word_embeddings=False
     )
-    return LlamaForCausalLM(cfg)
 
 
 def _hf_qwen2() -> nn.Module:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=43,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ + 1,
-        tie_word_embeddings=True,
-        initializer_range=0.2,
+    return _hf_causal_lm(
+        "Qwen2Config", "Qwen2ForCausalLM", num_key_value_heads=2, tie_word_embeddings=True
     )
-    return Qwen2ForCausalLM(cfg)
 
 
 def _hf_neox() -> nn.Module:
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
-
-    cfg = GPTNeoXConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=43,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=SEQ + 1,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        initializer_range=0.2,
+    return _hf_causal_lm(
+        "GPTNeoXConfig", "GPTNeoXForCausalLM", hidden_dropout=0.0, attention_dropout=0.0
     )
-    return GPTNeoXForCausalLM(cfg)
 
 
 def _hf_layer_policy(module_name: str, class_name: str):

@@ -14,23 +14,24 @@ from typing import Any
 _MISSING = object()
 
 
+def _set_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
 @contextmanager
 def patched_env(**variables: str | None) -> Iterator[None]:
     """Set (``None``: remove) environment variables for the block."""
     saved = {name: os.environ.get(name) for name in variables}
     try:
         for name, value in variables.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+            _set_env(name, value)
         yield
     finally:
         for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+            _set_env(name, value)
 
 
 @contextmanager
