@@ -32,7 +32,8 @@ MANIFEST = "MANIFEST.json"
 DESCRIPTION = "flatshard.json"
 DCP_METADATA = ".metadata"
 FORMAT = "flatshard-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: parameters and their optimizer state stored with their full shapes
+READABLE_VERSIONS = (1, 2)  # 1: the same, each parameter as a 1-D tensor of its numel
 TMP_MARK, OLD_MARK = ".tmp-", ".old-"
 # Test hook: seconds to sleep after the data files are written, before the manifest, so a
 # test can SIGKILL a save at its most delicate point.
@@ -114,10 +115,10 @@ def read_manifest(path: Path) -> dict:
     files = manifest.get("files")
     if not isinstance(files, dict):
         raise ValueError(f"{path / MANIFEST} lists no files; the checkpoint is damaged")
-    if manifest.get("version") != VERSION:
+    if manifest.get("version") not in READABLE_VERSIONS:
         raise ValueError(
             f"{path} has checkpoint format version {manifest.get('version')}; this flatshard "
-            f"reads version {VERSION}"
+            f"reads versions {', '.join(map(str, READABLE_VERSIONS))}"
         )
     for name in files:
         if not isinstance(name, str) or "/" in name or "\\" in name or name in ("", ".", ".."):

@@ -23,7 +23,7 @@ from ..params import fragment_tag
 from . import agree
 from .layout import ModelLayout, dtype_from_name, model_layout
 from .loader import Opened, open_checkpoint, read_tensors, verify_files
-from .planner import Item, Sharded
+from .planner import Item
 from .safetensors_io import StreamingSafetensorsWriter
 
 DEFAULT_BATCH_BYTES = 256 << 20
@@ -170,8 +170,8 @@ def _read(opened: Opened, model: dict, names: set[str]) -> dict[str, torch.Tenso
             dtype = dtype_from_name(model["params"][name]["dtype"])
             out[name] = torch.empty(0, dtype=dtype)
             continue
-        full = torch.empty(md.size, dtype=md.properties.dtype)
-        targets[name] = Sharded(full, 0, full.numel()) if name in model["params"] else full
+        full = torch.empty(md.size, dtype=md.properties.dtype)  # 1-D for version-1 params
+        targets[name] = full
         out[name] = full
     read_tensors(opened, targets, None)
     return out

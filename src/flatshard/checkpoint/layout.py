@@ -2,8 +2,9 @@
 
 Keys: a parameter or buffer is stored under its own name (tied parameters once, under the first
 name, the other names recorded as aliases); an optimizer state tensor under
-``optim/<parameter name>/<state key>``. A parameter is a flat 1-D global tensor of its numel
-(see planner.py); a state tensor with the fragment's shape is sharded the same way; any other
+``optim/<parameter name>/<state key>``. A parameter is a global tensor of its full shape, of
+which this rank writes the rectangles its fragment covers (see planner.py); a state tensor with
+the fragment's shape is sharded the same way, with the parameter's full shape; any other
 state tensor (AdamW's ``step``) is replicated; non-tensor state values go to the JSON.
 """
 
@@ -93,9 +94,13 @@ def describe_model(layout: ModelLayout) -> dict:
 
 
 def model_items(layout: ModelLayout) -> dict[str, Item]:
+    """Every state_dict key's DCP item. A tied parameter is written under each of its names,
+    as torch's DCP does (``get_model_state_dict`` asks for every key); flatshard reads the
+    first and records the others as aliases."""
     items: dict[str, Item] = {
-        n: Sharded(p.fragment.detach(), p.start, p.numel) for n, p in layout.params.items()
+        n: Sharded(p.fragment.detach(), p.start, p.numel, p.shape) for n, p in layout.params.items()
     }
+    items.update({alias: items[source] for alias, source in layout.aliases.items()})
     items.update({n: b.detach() for n, b in layout.buffers.items()})
     return items
 
@@ -132,7 +137,7 @@ def optimizer_entries(
             for key, value in optimizer.state.get(p, {}).items():
                 fqn = f"{OPTIM_PREFIX}{name}/{key}"
                 if isinstance(value, torch.Tensor) and value.shape == p.shape:
-                    items[fqn] = Sharded(value.detach(), info.start, info.numel)
+                    items[fqn] = Sharded(value.detach(), info.start, info.numel, info.shape)
                     entries[key] = {"kind": "sharded"}
                 elif isinstance(value, torch.Tensor):
                     items[fqn] = value.detach()

@@ -42,7 +42,7 @@ def model_problem(desc: dict, layout: ModelLayout, metadata: Metadata, strict: b
 
 def model_targets(layout: ModelLayout) -> dict[str, Item]:
     targets: dict[str, Item] = {
-        n: Sharded(p.fragment.detach(), p.start, p.numel) for n, p in layout.params.items()
+        n: Sharded(p.fragment.detach(), p.start, p.numel, p.shape) for n, p in layout.params.items()
     }
     targets.update({n: b.detach() for n, b in layout.buffers.items()})
     return targets
@@ -90,7 +90,8 @@ def optimizer_targets(
                 raise ValueError(f"optimizer state {fqn!r} is described but has no data")
             if entry["kind"] == "sharded":
                 local = torch.empty(info.fragment.numel(), dtype=md.properties.dtype)
-                targets[fqn] = Sharded(local.to(info.fragment.device), info.start, info.numel)
+                local = local.to(info.fragment.device)
+                targets[fqn] = Sharded(local, info.start, info.numel, info.shape)
             else:
                 targets[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
             state[name][key] = targets[fqn]

@@ -145,7 +145,7 @@ def _make_tmp_dir(path: Path, group) -> Path:
 
 def _to_cpu_copy(item: Item) -> Item:
     if isinstance(item, Sharded):
-        return Sharded(item.local.to("cpu", copy=True), item.start, item.numel)
+        return Sharded(item.local.to("cpu", copy=True), item.start, item.numel, item.shape)
     return item.to("cpu", copy=True)
 
 

@@ -1,0 +1,141 @@
+"""flatshard checkpoints are standard DCP checkpoints: torch's own tools read them.
+
+- ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` on an ``fs.save`` directory
+  gives the unsharded model's tensors (same keys, full shapes, same values);
+- a torch FSDP2 model (``fully_shard``) at another world size loads it with ``dcp.load`` +
+  ``set_model_state_dict`` and holds exactly the saved parameters (the tied embedding/head
+  included: a tied parameter is stored under each of its names, as torch's DCP does);
+- checkpoints written in the version-1 layout (each parameter a 1-D tensor of its numel) still
+  load into flatshard.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+import flatshard as fs
+import flatshard.checkpoint as ckpt
+from flatshard.checkpoint import commit, planner
+from parity_models import CASES, Block, TinyGPT, named_param_groups
+from patching import patched_attr
+
+_loss = CASES["gpt_tied"].loss
+
+
+def _trained(world_rows: int = 6) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = fs.shard(TinyGPT(), policy=fs.wrap.by_type(Block))
+    opt = torch.optim.AdamW(named_param_groups(model), lr=1e-2)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for step in range(2):
+        batch = CASES["gpt_tied"].batch(torch.Generator().manual_seed(step), world_rows)
+        _loss(model, batch.chunk(world)[rank]).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def case_save(path: str, version: int) -> dict | None:
+    """Save after two steps (``version=1``: in the old 1-D layout); rank 0 returns the full
+    state dict as the reference."""
+    model, opt = _trained()
+    if version == 1:
+        flat_chunks = planner.Sharded.chunks
+        with (
+            patched_attr(
+                planner.Sharded, "chunks", lambda self, flat=False: flat_chunks(self, True)
+            ),
+            patched_attr(planner.Sharded, "global_size", property(lambda s: torch.Size([s.numel]))),
+            patched_attr(commit, "VERSION", 1),
+        ):
+            ckpt.save(path, model=model, optimizer=opt)
+    else:
+        ckpt.save(path, model=model, optimizer=opt)
+    full = fs.full_state_dict(model)
+    return full if dist.get_rank() == 0 else None
+
+
+@pytest.fixture(scope="module")
+def saved(dist_pools, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("interop")
+    out = {}
+    for version in (1, 2):
+        path = str(root / f"v{version}")
+        out[version] = (path, dist_pools(2).run(case_save, path, version)[0])
+    return out
+
+
+def test_torch_dcp_to_torch_save_reads_the_unsharded_state_dict(saved, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path, reference = saved[2]
+    dcp_to_torch_save(path, tmp_path / "plain.pt")
+    plain = torch.load(tmp_path / "plain.pt", weights_only=True)
+    model_keys = {k: v for k, v in plain.items() if not k.startswith("optim/")}
+    assert set(model_keys) == set(reference)
+    for key, value in reference.items():
+        assert model_keys[key].shape == value.shape and torch.equal(model_keys[key], value), key
+    exp_avg = plain["optim/blocks.0.qkv.weight/exp_avg"]
+    assert exp_avg.shape == reference["blocks.0.qkv.weight"].shape
+
+
+def case_fsdp2_load(path: str) -> dict | None:
+    """A torch FSDP2 model at this world size reads the flatshard checkpoint."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(5)  # other initial values: everything must come from the checkpoint
+    model = TinyGPT()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    sd = get_model_state_dict(model)
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(model, sd)
+    full = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    return full if dist.get_rank() == 0 else None
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_torch_fsdp2_loads_a_flatshard_checkpoint(dist_pools, saved, world):
+    path, reference = saved[2]
+    full = dist_pools(world).run(case_fsdp2_load, path)[0]
+    assert set(full) == set(reference)
+    for key, value in reference.items():
+        assert torch.equal(full[key], value), key
+
+
+def case_flatshard_load(path: str) -> dict | None:
+    torch.manual_seed(5)
+    model = fs.shard(TinyGPT(), policy=fs.wrap.by_size(1500))
+    opt = torch.optim.AdamW(named_param_groups(model), lr=1e-2)
+    ckpt.load(path, model=model, optimizer=opt)
+    full = fs.full_state_dict(model)
+    return full if dist.get_rank() == 0 else None
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_both_layouts_load_into_flatshard_at_another_world_and_plan(dist_pools, saved, version):
+    path, reference = saved[version]
+    full = dist_pools(3).run(case_flatshard_load, path)[0]
+    assert all(torch.equal(full[k], v) for k, v in reference.items())
+
+
+def test_the_version_1_checkpoint_really_is_the_old_layout(saved):
+    from flatshard.checkpoint.loader import open_checkpoint
+
+    shapes = {}
+    for version in (1, 2):
+        opened = open_checkpoint(saved[version][0])
+        shapes[version] = opened.metadata.state_dict_metadata["blocks.0.qkv.weight"].size
+    assert shapes[1] == torch.Size([shapes[2].numel()]) and len(shapes[2]) == 2
