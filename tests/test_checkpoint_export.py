@@ -69,12 +69,14 @@ def test_export_cli_reports_a_missing_checkpoint(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
-def case_import(path: str, old_order: bool = False) -> dict | None:
+def case_import(path: str, how: str = "from_file") -> dict | None:
     torch.manual_seed(9)
     model = fs.shard(TinyGPT(), policy=fs.wrap.by_size(1500))
-    if old_order:  # the pre-0.2 spelling keeps working, with a DeprecationWarning
+    if how == "old_order":  # the pre-0.2 spelling keeps working, with a DeprecationWarning
         with pytest.warns(DeprecationWarning, match="path first"):
             ckpt.load_full_state_dict_from_file(model, path)
+    elif how == "fs_load":  # fs.load recognises a state-dict file
+        assert fs.load(path, model=model) == {}
     else:
         ckpt.load_full_state_dict_from_file(path, model=model)
     full = fs.full_state_dict(model)
@@ -85,8 +87,10 @@ def test_import_from_safetensors_and_torch_files_at_world_3(dist_pools, exported
     root, full = exported
     plain = {k: v for k, v in full.items() if k != "head.proj.weight"}  # tied key left out
     torch.save(plain, root / "plain.pt")
-    for name, old_order in (("live.safetensors", False), ("plain.pt", False), ("plain.pt", True)):
-        loaded = dist_pools(3).run(case_import, str(root / name), old_order)[0]
+    ways = [("live.safetensors", "from_file"), ("plain.pt", "from_file"), ("plain.pt", "old_order")]
+    ways += [("live.safetensors", "fs_load"), ("plain.pt", "fs_load")]
+    for name, how in ways:
+        loaded = dist_pools(3).run(case_import, str(root / name), how)[0]
         assert set(loaded) == set(full)
         assert all(torch.equal(loaded[k], full[k]) for k in full), name
 

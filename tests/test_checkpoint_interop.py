@@ -139,3 +139,81 @@ def test_the_version_1_checkpoint_really_is_the_old_layout(saved):
         opened = open_checkpoint(saved[version][0])
         shapes[version] = opened.metadata.state_dict_metadata["blocks.0.qkv.weight"].size
     assert shapes[1] == torch.Size([shapes[2].numel()]) and len(shapes[2]) == 2
+
+
+# ---- others' checkpoints into flatshard -------------------------------------------------------
+
+
+def case_fsdp2_save(root: str) -> dict | None:
+    """A torch FSDP2 run (2 AdamW steps at this world size) saved the three usual ways; rank
+    0 returns the full model and optimizer state as torch reports them."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for step in range(2):
+        batch = CASES["gpt_tied"].batch(torch.Generator().manual_seed(step), 6)
+        _loss(model, batch.chunk(world)[rank]).backward()
+        opt.step()
+        opt.zero_grad()
+    msd, osd = get_model_state_dict(model), get_optimizer_state_dict(model, opt)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=f"{root}/nested")  # torch docs
+    dcp.save({**msd, "optimizer": osd}, checkpoint_id=f"{root}/flat")  # torchtitan's layout
+    dcp.save({"model": msd}, checkpoint_id=f"{root}/accelerate/pytorch_model_fsdp_0")
+    dcp.save({"optimizer": osd}, checkpoint_id=f"{root}/accelerate/optimizer_0")
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_full = get_model_state_dict(model, options=full)
+    optim_full = get_optimizer_state_dict(model, opt, options=full)
+    return {"model": model_full, "optim": optim_full["state"]} if rank == 0 else None
+
+
+def case_load_foreign(path: str) -> dict:
+    """fs.load of a foreign directory at this world size; per rank: the full state dict
+    (rank 0), and each parameter's exp_avg fragment with its flat range."""
+    torch.manual_seed(5)
+    model = fs.shard(TinyGPT(), policy=fs.wrap.by_size(1500))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.warns(UserWarning, match="without checksums"):
+        extra = ckpt.load(path, model=model, optimizer=opt)
+    info = fs.fragment_info(model)
+    moments = {n: (i.flat_range, opt.state[i.fragment]["exp_avg"].clone()) for n, i in info.items()}
+    steps = {float(s["step"]) for s in opt.state.values()}
+    return {"full": fs.full_state_dict(model), "moments": moments, "steps": steps, "extra": extra}
+
+
+@pytest.fixture(scope="module")
+def fsdp2_saved(dist_pools, tmp_path_factory) -> tuple[str, dict]:
+    root = str(tmp_path_factory.mktemp("fsdp2"))
+    return root, dist_pools(2).run(case_fsdp2_save, root)[0]
+
+
+@pytest.mark.parametrize("layout", ["nested", "flat", "accelerate"])
+def test_fsdp2_torchtitan_and_accelerate_checkpoints_load_into_flatshard(
+    dist_pools, fsdp2_saved, layout
+):
+    root, reference = fsdp2_saved
+    results = dist_pools(3).run(case_load_foreign, f"{root}/{layout}")
+    full = results[0]["full"]
+    assert set(full) == set(reference["model"])
+    for key, value in reference["model"].items():
+        assert torch.equal(full[key], value), key
+    for name in reference["model"]:
+        if name == "head.proj.weight":  # tied to emb.weight: one parameter, one state
+            continue
+        want = reference["optim"][name]["exp_avg"].reshape(-1)
+        got = torch.zeros_like(want)
+        for r in results:
+            (start, end), piece = r["moments"][name]
+            got[start:end] = piece
+        assert torch.equal(got, want), name
+    assert all(r["steps"] == {2.0} and r["extra"] == {} for r in results)

@@ -118,6 +118,10 @@ def load(
 ):
     """Load a checkpoint written by ``fs.save`` into ``model`` (and ``optimizer``) at this
     world size and wrap plan, whatever they were at save time; returns the saved ``extra``.
+    A DCP directory written by torch FSDP2/DDP, torchtitan or Accelerate (no flatshard
+    manifest) is recognised and loaded too (with a warning: it has no checksums; see
+    ``checkpoint/foreign.py``), returning ``{}``; so is a full state-dict *file*
+    (``.safetensors`` or ``torch.save``; model only), as ``load_full_state_dict_from_file``.
 
     Every rank must call it. Optimizer state is matched by parameter name; the optimizer must
     have the same param groups (same parameters each) as the saving one; its hyperparameters
@@ -125,6 +129,14 @@ def load(
     """
     state = get_state(model)
     session_of(model).wait_pending()
+    from . import foreign  # it builds on this module
+
+    if Path(path).is_file():  # a full state dict: safetensors or torch.save
+        return _load_full_file(Path(path), model, optimizer, strict)
+    if foreign.is_foreign(Path(path)):  # torch FSDP2 / torchtitan / Accelerate (DCP) directories
+        extra = foreign.load_foreign(Path(path), model, optimizer)
+        state.reshard_all()
+        return extra
     group = agree.world()
     layout = model_layout(model)
     share = (dist.get_rank(group), dist.get_world_size(group))
@@ -148,3 +160,15 @@ def load(
         restore.load_optimizer(optimizer, opened.description["optimizer"], layout, optim_state)
     state.reshard_all()
     return jsonable.decode(opened.description.get("extra", {}))
+
+
+def _load_full_file(path: Path, model: nn.Module, optimizer, strict: bool) -> dict:
+    if optimizer is not None:
+        raise ValueError(
+            f"fs.load({str(path)!r}, optimizer=...): a state-dict file holds no optimizer "
+            "state; load the weights without optimizer= (or pass a checkpoint directory)"
+        )
+    from .full_file import load_full_state_dict_from_file
+
+    load_full_state_dict_from_file(path, model=model, strict=strict)
+    return {}

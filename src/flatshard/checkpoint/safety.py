@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     Metadata,
     MetadataIndex,
     TensorStorageMetadata,
@@ -29,6 +30,7 @@ from torch.distributed.checkpoint.metadata import (
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
     {(_DCP_METADATA, name) for name in ("Metadata", "TensorStorageMetadata", "TensorProperties")}
+    | {(_DCP_METADATA, "BytesStorageMetadata")}  # described only; refused unless allowed
     | {(_DCP_METADATA, name) for name in ("ChunkStorageMetadata", "MetadataIndex", "StorageMeta")}
     | {
         (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),
@@ -54,11 +56,13 @@ class SafeUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed")
 
 
-def read_metadata(path: Path, files: set[str]) -> Metadata:
+def read_metadata(path: Path, files: set[str], *, allow_objects: bool = False) -> Metadata:
     """Unpickle and validate ``path`` (DCP ``.metadata``) without running foreign code.
 
     ``files`` are the data files the manifest lists; every storage reference must point into
-    them, so a crafted metadata cannot make the reader open arbitrary paths."""
+    them, so a crafted metadata cannot make the reader open arbitrary paths.
+    ``allow_objects``: other tools' checkpoints describe pickled entries too (optimizer
+    hyperparameters, a train state); they may be listed, and are never read."""
     try:
         metadata = SafeUnpickler(io.BytesIO(path.read_bytes())).load()
     except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as err:
@@ -67,16 +71,18 @@ def read_metadata(path: Path, files: set[str]) -> Metadata:
             "only contain DCP's own metadata classes. Do not load checkpoints from sources "
             "you do not trust with other tools"
         ) from None
-    problem = _metadata_problem(metadata, files)
+    problem = _metadata_problem(metadata, files, allow_objects)
     if problem:
         raise ValueError(f"refusing to load {path}: {problem}")
     return metadata
 
 
-def _metadata_problem(metadata: object, files: set[str]) -> str | None:
+def _metadata_problem(metadata: object, files: set[str], allow_objects: bool) -> str | None:
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
         return f"expected DCP Metadata, found {type(metadata).__name__}"
     for key, md in metadata.state_dict_metadata.items():
+        if allow_objects and isinstance(md, BytesStorageMetadata):
+            continue
         if not isinstance(md, TensorStorageMetadata):
             return f"entry {key!r} is a pickled object ({type(md).__name__}), not a tensor"
         volume = sum(math.prod(c.sizes) for c in md.chunks)
