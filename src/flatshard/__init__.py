@@ -16,6 +16,7 @@ from .checkpoint import (
     load,
     load_full_state_dict_from_file,
     save,
+    save_pretrained,
 )
 from .grad_norm import clip_grad_norm_
 from .grad_scaler import GradScaler
@@ -55,6 +56,7 @@ __all__ = [
     "optim",
     "register_method",
     "save",
+    "save_pretrained",
     "shard",
     "summon_full_params",
     "units",

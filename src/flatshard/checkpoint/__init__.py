@@ -9,6 +9,7 @@ from .commit import latest_checkpoint
 from .exporting import export_checkpoint, export_safetensors
 from .full_file import load_full_state_dict_from_file
 from .loader import load
+from .pretrained import save_pretrained
 from .saver import SaveHandle, save
 
 __all__ = [
@@ -19,4 +20,5 @@ __all__ = [
     "load",
     "load_full_state_dict_from_file",
     "save",
+    "save_pretrained",
 ]

@@ -44,7 +44,7 @@ def export_safetensors(
     return export_checkpoint(source, out_path)
 
 
-def _unit_keys(model: nn.Module, layout: ModelLayout) -> dict[int, list[str]]:
+def unit_keys_of(model: nn.Module, layout: ModelLayout) -> dict[int, list[str]]:
     """Unit index -> its state_dict keys (tied names with their source), in key order."""
     keys: dict[int, list[str]] = {}
     for key in layout.keys:
@@ -58,14 +58,14 @@ def _unit_keys(model: nn.Module, layout: ModelLayout) -> dict[int, list[str]]:
 def _export_model(model: nn.Module, out: Path) -> Path | None:
     state = get_state(model)
     layout = model_layout(model)
-    unit_keys = _unit_keys(model, layout)
+    unit_keys = unit_keys_of(model, layout)
     order = [k for unit in state.units for k in unit_keys.get(unit.index, [])]
     order += list(layout.buffers)
     writer, error = None, None
     if dist.get_rank() == 0:  # global rank 0 writes, as full_state_dict gathers there
         try:
             writer = StreamingSafetensorsWriter(
-                out, [_entry(layout, k) for k in order], EXPORT_METADATA
+                out, [header_entry(layout, k) for k in order], EXPORT_METADATA
             )
         except (OSError, ValueError) as err:
             error = f"cannot write {out}: {err}"
@@ -110,7 +110,7 @@ def _finish(writer: StreamingSafetensorsWriter, layout: ModelLayout) -> str | No
     return None
 
 
-def _entry(layout: ModelLayout, key: str) -> tuple[str, torch.dtype, tuple[int, ...]]:
+def header_entry(layout: ModelLayout, key: str) -> tuple[str, torch.dtype, tuple[int, ...]]:
     source = layout.aliases.get(key, key)
     if source in layout.params:
         p = layout.params[source]
