@@ -13,6 +13,7 @@ import torch.distributed as dist
 import flatshard as fs
 from flatshard.checkpoint.pretrained import parse_size
 from parity_models import CASES
+from patching import patched_attr
 
 
 def case_save_pretrained(name: str, out: str, max_shard_size: str) -> dict | None:
@@ -95,3 +96,61 @@ def test_written_file_metadata_is_pt(tmp_path, dist_pools):
     dist_pools(2).run(case_save_pretrained, "hf_llama", str(out), "5GB")
     with safe_open(str(Path(out) / "model.safetensors"), "pt") as f:
         assert f.metadata() == {"format": "pt"}
+
+
+class _CountingSlice:
+    """A safetensors slice that counts the elements read through it."""
+
+    def __init__(self, inner, read: list[int]) -> None:
+        self._inner, self._read = inner, read
+
+    def get_shape(self):
+        return self._inner.get_shape()
+
+    def __getitem__(self, index):
+        out = self._inner[index]
+        self._read.append(out.numel())
+        return out
+
+
+def case_load_pretrained(name: str, path: str) -> dict:
+    """fs.load of a save_pretrained directory into a fresh sharded model at this world size;
+    the elements each rank read from the files, and what the rows around its fragments hold."""
+    from flatshard.checkpoint import sliced
+
+    case = CASES[name]
+    torch.manual_seed(7)  # other initial values: everything must come from the files
+    model = fs.shard(case.build(), policy=case.policy())
+    read: list[int] = []
+    original = sliced._Files.slice
+
+    def counting(self, file, tensor_name):
+        return _CountingSlice(original(self, file, tensor_name), read)
+
+    with patched_attr(sliced._Files, "slice", counting):
+        assert fs.load(path, model=model) == {}
+    # a fragment is read as the whole rows that cover it: at most 2 partial rows more
+    rows = 0
+    for info in fs.fragment_info(model).values():
+        start, end = info.flat_range
+        row = max(1, info.full_shape[1:].numel()) if info.full_ndim else 1
+        rows += (-(-end // row) - start // row) * row if end > start else 0
+    persistent = model.state_dict().keys()  # non-persistent buffers are in no file
+    buffers = sum(b.numel() for n, b in model.named_buffers() if n in persistent)
+    return {"full": fs.full_state_dict(model), "read": sum(read), "rows": rows + buffers}
+
+
+def test_each_rank_reads_only_its_own_fragments_of_a_pretrained_dir(dist_pools, tmp_path):
+    out = tmp_path / "qwen2"
+    dist_pools(2).run(case_save_pretrained, "hf_qwen2", str(out), "20KB")
+    reference = None
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    results = dist_pools(3).run(case_load_pretrained, "hf_qwen2", str(out))
+    full = results[0]["full"]
+    assert set(full) == set(reference)
+    assert all(torch.equal(full[k], v) for k, v in reference.items())
+    total = sum(v.numel() for k, v in reference.items() if k != "lm_head.weight")
+    for r in results:  # the rows around its own fragments: no rank reads the model
+        assert r["read"] == r["rows"] < total, (r["read"], r["rows"], total)

@@ -120,8 +120,9 @@ def load(
     world size and wrap plan, whatever they were at save time; returns the saved ``extra``.
     A DCP directory written by torch FSDP2/DDP, torchtitan or Accelerate (no flatshard
     manifest) is recognised and loaded too (with a warning: it has no checksums; see
-    ``checkpoint/foreign.py``), returning ``{}``; so is a full state-dict *file*
-    (``.safetensors`` or ``torch.save``; model only), as ``load_full_state_dict_from_file``.
+    ``checkpoint/foreign.py``), returning ``{}``; so are weights alone: a ``save_pretrained``
+    directory or a ``.safetensors`` file (every rank reads only its own slices) and a
+    ``torch.save`` state-dict file (through rank 0).
 
     Every rank must call it. Optimizer state is matched by parameter name; the optimizer must
     have the same param groups (same parameters each) as the saving one; its hyperparameters
@@ -129,10 +130,15 @@ def load(
     """
     state = get_state(model)
     session_of(model).wait_pending()
-    from . import foreign  # it builds on this module
+    from . import (
+        foreign,  # it builds on this module
+        sliced,
+    )
 
-    if Path(path).is_file():  # a full state dict: safetensors or torch.save
-        return _load_full_file(Path(path), model, optimizer, strict)
+    if Path(path).is_file() or sliced.is_pretrained_dir(Path(path)):  # weights only
+        extra = _load_weights(Path(path), model, optimizer, strict)
+        state.reshard_all()
+        return extra
     if foreign.is_foreign(Path(path)):  # torch FSDP2 / torchtitan / Accelerate (DCP) directories
         extra = foreign.load_foreign(Path(path), model, optimizer)
         state.reshard_all()
@@ -162,13 +168,18 @@ def load(
     return jsonable.decode(opened.description.get("extra", {}))
 
 
-def _load_full_file(path: Path, model: nn.Module, optimizer, strict: bool) -> dict:
+def _load_weights(path: Path, model: nn.Module, optimizer, strict: bool) -> dict:
+    """Safetensors (a file or a save_pretrained directory): every rank reads its own slices;
+    a torch.save file: rank 0 reads it and the shards are scattered."""
     if optimizer is not None:
         raise ValueError(
-            f"fs.load({str(path)!r}, optimizer=...): a state-dict file holds no optimizer "
-            "state; load the weights without optimizer= (or pass a checkpoint directory)"
+            f"fs.load({str(path)!r}, optimizer=...): weights hold no optimizer state; load "
+            "them without optimizer= (or pass a checkpoint directory)"
         )
+    from . import sliced
     from .full_file import load_full_state_dict_from_file
 
+    if path.is_dir() or path.suffix == ".safetensors":
+        return sliced.load_sliced(path, model)
     load_full_state_dict_from_file(path, model=model, strict=strict)
     return {}
