@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,7 +21,7 @@ from torch import nn
 
 import flatshard as fs
 import flatshard.checkpoint as ckpt
-from flatshard.checkpoint import commit, planner
+from flatshard.checkpoint import commit, layout, planner
 from parity_models import CASES, Block, TinyGPT, named_param_groups
 from patching import patched_attr
 
@@ -39,13 +41,15 @@ def _trained(world_rows: int = 6) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
-def case_save(path: str, version: int) -> dict | None:
-    """Save after two steps (``version=1``: in the old 1-D layout); rank 0 returns the full
-    state dict as the reference."""
+def case_save(path: str, version: int) -> dict:
+    """Save after two steps (``version=1``: in the old 1-D layout). Per rank: the full state
+    dict (rank 0, else {}) and each parameter's exp_avg fragment with its flat range."""
     model, opt = _trained()
     if version == 1:
         flat_chunks = planner.Sharded.chunks
+        v1_key = functools.partial(layout.optim_key, version=1)
         with (
+            patched_attr(layout, "optim_key", lambda name, key, version=2: v1_key(name, key)),
             patched_attr(
                 planner.Sharded, "chunks", lambda self, flat=False: flat_chunks(self, True)
             ),
@@ -55,8 +59,21 @@ def case_save(path: str, version: int) -> dict | None:
             ckpt.save(path, model=model, optimizer=opt)
     else:
         ckpt.save(path, model=model, optimizer=opt)
-    full = fs.full_state_dict(model)
-    return full if dist.get_rank() == 0 else None
+    info = fs.fragment_info(model)
+    moments = {n: (i.flat_range, opt.state[i.fragment]["exp_avg"].clone()) for n, i in info.items()}
+    return {"full": fs.full_state_dict(model), "moments": moments}
+
+
+def _assemble(results: list[dict], shapes: dict) -> dict[str, torch.Tensor]:
+    """Full exp_avg per parameter from every rank's fragments."""
+    out = {}
+    for name, shape in shapes.items():
+        full = torch.zeros(shape).reshape(-1)
+        for r in results:
+            (start, end), piece = r["moments"][name]
+            full[start:end] = piece
+        out[name] = full.view(shape)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -65,30 +82,37 @@ def saved(dist_pools, tmp_path_factory) -> dict:
     out = {}
     for version in (1, 2):
         path = str(root / f"v{version}")
-        out[version] = (path, dist_pools(2).run(case_save, path, version)[0])
+        results = dist_pools(2).run(case_save, path, version)
+        full = results[0]["full"]
+        moments = _assemble(results, {n: full[n].shape for n in results[0]["moments"]})
+        out[version] = (path, full, moments)
     return out
 
 
 def test_torch_dcp_to_torch_save_reads_the_unsharded_state_dict(saved, tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    path, reference = saved[2]
+    path, reference, moments = saved[2]
     dcp_to_torch_save(path, tmp_path / "plain.pt")
     plain = torch.load(tmp_path / "plain.pt", weights_only=True)
-    model_keys = {k: v for k, v in plain.items() if not k.startswith("optim/")}
+    model_keys = {k: v for k, v in plain.items() if not k.startswith("optimizer.")}
     assert set(model_keys) == set(reference)
     for key, value in reference.items():
         assert model_keys[key].shape == value.shape and torch.equal(model_keys[key], value), key
-    exp_avg = plain["optim/blocks.0.qkv.weight/exp_avg"]
-    assert exp_avg.shape == reference["blocks.0.qkv.weight"].shape
+    exp_avg = plain["optimizer.state.blocks.0.qkv.weight.exp_avg"]
+    assert torch.equal(exp_avg, moments["blocks.0.qkv.weight"])
+    assert plain["optimizer.param_groups.0.lr"] == 1e-2
 
 
 def case_fsdp2_load(path: str) -> dict | None:
-    """A torch FSDP2 model at this world size reads the flatshard checkpoint."""
+    """A torch FSDP2 model and its AdamW at this world size read the flatshard checkpoint
+    (model FQNs at the top level and ``optimizer.*``: torchtitan's layout)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
+        get_optimizer_state_dict,
         set_model_state_dict,
+        set_optimizer_state_dict,
     )
     from torch.distributed.fsdp import fully_shard
 
@@ -97,22 +121,30 @@ def case_fsdp2_load(path: str) -> dict | None:
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
-    sd = get_model_state_dict(model)
+    opt = torch.optim.AdamW(named_param_groups(model), lr=0.5)  # lr comes from the file
+    sd = {**get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}
     dcp.load(sd, checkpoint_id=path)
+    set_optimizer_state_dict(model, opt, sd.pop("optimizer"))
     set_model_state_dict(model, sd)
-    full = get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
-    return full if dist.get_rank() == 0 else None
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_full = get_model_state_dict(model, options=full)  # rank 0 holds it, others {}
+    optim_full = get_optimizer_state_dict(model, opt, options=full)
+    lrs = [g["lr"] for g in opt.param_groups]
+    if dist.get_rank() != 0:
+        return None
+    return {"model": model_full, "optim": optim_full["state"], "lr": lrs}
 
 
 @pytest.mark.parametrize("world", [1, 3])
 def test_torch_fsdp2_loads_a_flatshard_checkpoint(dist_pools, saved, world):
-    path, reference = saved[2]
-    full = dist_pools(world).run(case_fsdp2_load, path)[0]
-    assert set(full) == set(reference)
+    path, reference, moments = saved[2]
+    r = dist_pools(world).run(case_fsdp2_load, path)[0]
+    assert set(r["model"]) == set(reference)
     for key, value in reference.items():
-        assert torch.equal(full[key], value), key
+        assert torch.equal(r["model"][key], value), key
+    for name, exp_avg in moments.items():  # the optimizer state too, by FQN
+        assert torch.equal(r["optim"][name]["exp_avg"], exp_avg), name
+    assert r["lr"] == [1e-2, 1e-2]  # the param groups' hyperparameters from the checkpoint
 
 
 def case_flatshard_load(path: str) -> dict | None:
@@ -126,7 +158,7 @@ def case_flatshard_load(path: str) -> dict | None:
 
 @pytest.mark.parametrize("version", [1, 2])
 def test_both_layouts_load_into_flatshard_at_another_world_and_plan(dist_pools, saved, version):
-    path, reference = saved[version]
+    path, reference, _ = saved[version]
     full = dist_pools(3).run(case_flatshard_load, path)[0]
     assert all(torch.equal(full[k], v) for k, v in reference.items())
 

@@ -168,12 +168,14 @@ def test_saved_description_names_parameters_and_state(saved_at_world_2):
     assert "emb.weight" in keys and "head.proj.weight" in keys  # tied: under both, as torch
     assert opened.description["model"]["aliases"] == {"head.proj.weight": "emb.weight"}
     # the standard DCP layout: every parameter (and its AdamW moments) with its full shape
-    for name in ("blocks.0.qkv.weight", "optim/blocks.0.qkv.weight/exp_avg"):
+    for name in ("blocks.0.qkv.weight", "optimizer.state.blocks.0.qkv.weight.exp_avg"):
         assert opened.metadata.state_dict_metadata[name].size == sd["blocks.0.qkv.weight"].shape
     for name in (
-        "optim/emb.weight/exp_avg",
-        "optim/emb.weight/exp_avg_sq",
-        "optim/emb.weight/step",
+        "optimizer.state.emb.weight.exp_avg",  # torch's get_optimizer_state_dict keys
+        "optimizer.state.emb.weight.exp_avg_sq",
+        "optimizer.state.emb.weight.step",
+        "optimizer.param_groups.0.lr",  # pickled for torch's tools, never read by flatshard
+        "optimizer.param_groups.0.params",
     ):
         assert name in keys
     chunks = opened.metadata.state_dict_metadata["blocks.1.mlp.fc.weight"].chunks

@@ -19,6 +19,7 @@ import torch
 import flatshard as fs
 import flatshard.checkpoint as ckpt
 from flatshard.checkpoint import safety
+from flatshard.checkpoint.loader import PICKLED
 from parity_models import Block, TinyGPT
 
 
@@ -106,7 +107,8 @@ def test_malicious_object_nested_in_real_metadata_is_refused(copy_of, tmp_path):
     metadata.storage_meta.modules = [_Evil(marker)]
     (copy_of / ".metadata").write_bytes(pickle.dumps(metadata))
     with pytest.raises(ValueError, match=r"refusing to load.*not allowed"):
-        safety.read_metadata(copy_of / ".metadata", {"__0_0.distcp", "__1_0.distcp"})
+        files = {"__0_0.distcp", "__1_0.distcp"}
+        safety.read_metadata(copy_of / ".metadata", files, allow_objects=PICKLED)
     assert not marker.exists()
 
 
@@ -114,8 +116,11 @@ def test_malicious_tensor_file_is_refused(copy_of, tmp_path):
     """A tensor entry whose bytes are a pickle of something else: DCP's reader uses
     ``torch.load(weights_only=True)``, so it is refused and never runs."""
     marker = tmp_path / "pwned"
-    metadata = safety.read_metadata(copy_of / ".metadata", {"__0_0.distcp", "__1_0.distcp"})
-    index, info = next(iter(metadata.storage_data.items()))
+    files = {"__0_0.distcp", "__1_0.distcp"}
+    metadata = safety.read_metadata(copy_of / ".metadata", files, allow_objects=PICKLED)
+    index, info = next(
+        (i, s) for i, s in metadata.storage_data.items() if not i.fqn.startswith("optimizer.")
+    )  # a model tensor, which the export reads
     path = copy_of / info.relative_path
     evil = _torch_save_bytes(_Evil(marker))
     offset = path.stat().st_size
@@ -177,3 +182,20 @@ def test_loading_into_another_model_or_optimizer_is_refused(dist_pools, pristine
     for r in dist_pools(2).run(case_mismatches, str(pristine)):
         assert "does not match the model" in r["model"] and "blocks.2" in r["model"]
         assert "1 param groups, this one 2" in r["optimizer"]
+
+
+def test_pickled_entries_are_allowed_only_for_the_optimizer_param_groups(copy_of):
+    """flatshard writes the param groups as pickled entries for torch's tools (and never reads
+    them); any other pickled entry in its own checkpoint is refused."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    files = {"__0_0.distcp", "__1_0.distcp"}
+    metadata = safety.read_metadata(copy_of / ".metadata", files, allow_objects=PICKLED)
+    assert any(
+        isinstance(md, BytesStorageMetadata) and k.startswith(PICKLED)
+        for k, md in metadata.state_dict_metadata.items()
+    )
+    metadata.state_dict_metadata["emb.weight"] = BytesStorageMetadata()
+    (copy_of / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(ValueError, match=r"'emb.weight' is a pickled object"):
+        safety.read_metadata(copy_of / ".metadata", files, allow_objects=PICKLED)

@@ -18,9 +18,18 @@ from torch import nn
 from ..api import get_state
 from ..params import fragment_tag
 from . import jsonable
-from .planner import Item, Sharded
+from .planner import Item, Pickled, Sharded
 
-OPTIM_PREFIX = "optim/"
+OPTIM_PREFIX = "optimizer."  # the keys torch's get_optimizer_state_dict flattens to
+OPTIM_PREFIX_V1 = "optim/"  # version-1 checkpoints: optim/<name>/<key>
+
+
+def optim_key(name: str, key: str, version: int = 2) -> str:
+    """The DCP key of parameter ``name``'s optimizer state ``key``: torch's flattened
+    ``optimizer.state.<name>.<key>`` (version 1: ``optim/<name>/<key>``)."""
+    if version == 1:
+        return f"{OPTIM_PREFIX_V1}{name}/{key}"
+    return f"{OPTIM_PREFIX}state.{name}.{key}"
 
 
 @dataclass
@@ -135,7 +144,7 @@ def optimizer_entries(
             info = layout.params[name]
             entries = {}
             for key, value in optimizer.state.get(p, {}).items():
-                fqn = f"{OPTIM_PREFIX}{name}/{key}"
+                fqn = optim_key(name, key)
                 if isinstance(value, torch.Tensor) and value.shape == p.shape:
                     items[fqn] = Sharded(value.detach(), info.start, info.numel, info.shape)
                     entries[key] = {"kind": "sharded"}
@@ -150,6 +159,9 @@ def optimizer_entries(
         {"params": group_names, "hyper": jsonable.encode(_hyper(group), f"param group {gi}")}
         for gi, (group, group_names) in enumerate(zip(optimizer.param_groups, names, strict=True))
     ]
+    for gi, (group, group_names) in enumerate(zip(optimizer.param_groups, names, strict=True)):
+        for hyper, value in {**_hyper(group), "params": list(group_names)}.items():
+            items[f"{OPTIM_PREFIX}param_groups.{gi}.{hyper}"] = Pickled(value)
     desc = {"class": type(optimizer).__name__, "param_groups": param_groups, "state": state_desc}
     return items, desc
 

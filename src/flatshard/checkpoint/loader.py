@@ -28,6 +28,8 @@ from .layout import ModelLayout, model_layout
 from .planner import FlatLoadPlanner, VerifiedReader
 from .saver import session_of
 
+PICKLED = "optimizer.param_groups."  # the only entries of ours that are not tensors
+
 
 @dataclass
 class Opened:
@@ -37,6 +39,11 @@ class Opened:
     files: dict[str, dict]  # manifest: name -> {"bytes", "sha256"}
     description: dict
     metadata: Metadata
+
+    @property
+    def version(self) -> int:
+        """The checkpoint format version (see ``commit.READABLE_VERSIONS``)."""
+        return int(self.description.get("version", 1))
 
     @property
     def data_files(self) -> list[str]:
@@ -60,7 +67,8 @@ def open_checkpoint(path: str | os.PathLike) -> Opened:
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise ValueError(f"{path / commit.DESCRIPTION} is malformed ({err})") from None
     data = {n for n in files if n.endswith(".distcp")}
-    metadata = safety.read_metadata(path / commit.DCP_METADATA, data)
+    # the optimizer's param groups are pickled for torch's tools (never read here)
+    metadata = safety.read_metadata(path / commit.DCP_METADATA, data, allow_objects=PICKLED)
     return Opened(path, files, description, metadata)
 
 
@@ -157,9 +165,8 @@ def load(
     targets = restore.model_targets(layout)
     optim_state = None
     if optimizer is not None:
-        optim_targets, optim_state = restore.optimizer_targets(
-            opened.description["optimizer"], layout, opened.metadata
-        )
+        optim_desc = {**opened.description["optimizer"], "version": opened.version}
+        optim_targets, optim_state = restore.optimizer_targets(optim_desc, layout, opened.metadata)
         targets.update(optim_targets)
     read_tensors(opened, targets, group)
     if optimizer is not None:

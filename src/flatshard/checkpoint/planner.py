@@ -15,8 +15,10 @@ version 1) stored each parameter as a 1-D tensor of its numel; a target whose sa
 ``[numel]`` is read that way.
 
 Plain tensors (buffers, ``step``) are replicated: every rank offers the same key and DCP keeps
-one copy. We never let DCP write ``BYTE_IO`` items, because its loader reads them with
-``torch.load(weights_only=False)``: our load planner refuses them outright.
+one copy. The optimizer's param groups are also written the way DCP writes non-tensors (``BYTE_IO``:
+``torch.save`` bytes), because torch's ``set_optimizer_state_dict`` needs them; DCP's loader
+reads those with ``torch.load(weights_only=False)``, so flatshard never requests one: its load
+planner refuses them outright and takes the values from its JSON description instead.
 """
 
 from __future__ import annotations
@@ -75,7 +77,16 @@ class Sharded:
         return torch.Size([self.numel]) if self.shape is None else torch.Size(self.shape)
 
 
-Item = Sharded | torch.Tensor
+@dataclass(frozen=True)
+class Pickled:
+    """A plain Python value written as DCP writes non-tensors (``torch.save`` bytes), for
+    torch's tools (``set_optimizer_state_dict`` needs the param groups). flatshard itself
+    never reads one back: its own copy of these values is the JSON description."""
+
+    value: object
+
+
+Item = Sharded | torch.Tensor | Pickled
 
 
 def _meta(offsets, sizes) -> ChunkStorageMetadata:
@@ -113,7 +124,9 @@ def _plain_chunk(obj: torch.Tensor) -> ChunkStorageMetadata:
     return _meta((0,) * obj.dim(), obj.size())
 
 
-def _write_items(fqn: str, obj: Item) -> list[tuple[WriteItem, torch.Tensor]]:
+def _write_items(fqn: str, obj: Item) -> list[tuple[WriteItem, object]]:
+    if isinstance(obj, Pickled):
+        return [(WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO), obj)]
     if isinstance(obj, Sharded):
         kind, size, pieces = WriteItemType.SHARD, obj.global_size, obj.chunks()
     else:
@@ -153,11 +166,17 @@ class FlatSavePlanner(DefaultSavePlanner):
         self.plan = SavePlan(items)
         return self.plan
 
-    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         # DCP clones a view whose storage is larger than itself before torch.save, so a
         # rectangle of a fragment (a view of the shard) is written as just its own elements.
         key = (write_item.index.fqn, tuple(write_item.index.offset or ()))
-        return self._data[key].detach()
+        data = self._data[key]
+        if isinstance(data, Pickled):  # as DCP's own planner writes a non-tensor
+            buffer = io.BytesIO()
+            torch.save(data.value, buffer)
+            buffer.seek(0)
+            return buffer
+        return data.detach()
 
 
 class FlatLoadPlanner(DefaultLoadPlanner):

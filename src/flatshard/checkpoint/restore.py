@@ -14,7 +14,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from . import jsonable
-from .layout import OPTIM_PREFIX, ModelLayout, dtype_from_name, optimizer_params
+from .layout import ModelLayout, dtype_from_name, optim_key, optimizer_params
 from .planner import Item, Sharded
 
 
@@ -74,11 +74,12 @@ def optimizer_targets(
     to rebuild (tensor entries filled after the load, values decoded now)."""
     targets: dict[str, Item] = {}
     state: dict[str, dict] = {}
+    version = desc.get("version", 2)  # set by optimizer_targets' caller from the description
     for name, entries in desc["state"].items():
         info = layout.params[name]
         state[name] = {}
         for key, entry in entries.items():
-            fqn = f"{OPTIM_PREFIX}{name}/{key}"
+            fqn = optim_key(name, key, version)
             if entry["kind"] == "value":
                 state[name][key] = jsonable.decode(entry["value"])
                 continue

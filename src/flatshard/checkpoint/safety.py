@@ -56,13 +56,13 @@ class SafeUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed")
 
 
-def read_metadata(path: Path, files: set[str], *, allow_objects: bool = False) -> Metadata:
+def read_metadata(path: Path, files: set[str], *, allow_objects: bool | str = False) -> Metadata:
     """Unpickle and validate ``path`` (DCP ``.metadata``) without running foreign code.
 
     ``files`` are the data files the manifest lists; every storage reference must point into
     them, so a crafted metadata cannot make the reader open arbitrary paths.
-    ``allow_objects``: other tools' checkpoints describe pickled entries too (optimizer
-    hyperparameters, a train state); they may be listed, and are never read."""
+    ``allow_objects``: pickled entries (optimizer hyperparameters, a train state) may be
+    listed, and are never read: ``True`` for any key, a string for keys with that prefix."""
     try:
         metadata = SafeUnpickler(io.BytesIO(path.read_bytes())).load()
     except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as err:
@@ -77,11 +77,12 @@ def read_metadata(path: Path, files: set[str], *, allow_objects: bool = False) -
     return metadata
 
 
-def _metadata_problem(metadata: object, files: set[str], allow_objects: bool) -> str | None:
+def _metadata_problem(metadata: object, files: set[str], allow_objects: bool | str) -> str | None:
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
         return f"expected DCP Metadata, found {type(metadata).__name__}"
     for key, md in metadata.state_dict_metadata.items():
-        if allow_objects and isinstance(md, BytesStorageMetadata):
+        allowed = allow_objects is True or (allow_objects and key.startswith(allow_objects))
+        if allowed and isinstance(md, BytesStorageMetadata):
             continue
         if not isinstance(md, TensorStorageMetadata):
             return f"entry {key!r} is a pickled object ({type(md).__name__}), not a tensor"

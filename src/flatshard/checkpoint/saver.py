@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ..api import get_state
 from . import agree, commit, jsonable
 from .layout import describe_model, model_items, model_layout, optimizer_entries
-from .planner import FlatSavePlanner, Item, Sharded
+from .planner import FlatSavePlanner, Item, Pickled, Sharded
 
 SESSION_ATTR = "_flatshard_checkpoint"
 
@@ -144,6 +144,8 @@ def _make_tmp_dir(path: Path, group) -> Path:
 
 
 def _to_cpu_copy(item: Item) -> Item:
+    if isinstance(item, Pickled):
+        return item
     if isinstance(item, Sharded):
         return Sharded(item.local.to("cpu", copy=True), item.start, item.numel, item.shape)
     return item.to("cpu", copy=True)
