@@ -154,3 +154,35 @@ def test_each_rank_reads_only_its_own_fragments_of_a_pretrained_dir(dist_pools, 
     total = sum(v.numel() for k, v in reference.items() if k != "lm_head.weight")
     for r in results:  # the rows around its own fragments: no rank reads the model
         assert r["read"] == r["rows"] < total, (r["read"], r["rows"], total)
+
+
+def case_save_checkpoint(name: str, ckpt_dir: str, hf_dir: str) -> None:
+    """The same trained model as case_save_pretrained, saved both ways."""
+    case = CASES[name]
+    torch.manual_seed(0)
+    model = fs.shard(case.build(), policy=case.policy())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    batch = case.batch(torch.Generator().manual_seed(1), 2 * world)
+    case.loss(model, batch.chunk(world)[rank]).backward()
+    opt.step()
+    fs.save(ckpt_dir, model=model, optimizer=opt)
+    fs.save_pretrained(model, hf_dir)
+
+
+def test_flatshard_export_hf_writes_what_from_pretrained_loads(dist_pools, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from flatshard import cli
+
+    ckpt_dir, hf_dir, out = tmp_path / "ckpt", tmp_path / "hf", tmp_path / "exported"
+    dist_pools(2).run(case_save_checkpoint, "hf_qwen2", str(ckpt_dir), str(hf_dir))
+    args = ["export", str(ckpt_dir), str(out), "--hf", "--config", str(hf_dir)]
+    assert cli.main([*args, "--max-shard-size", "20KB"]) == 0
+    assert (out / "model.safetensors.index.json").is_file() and (out / "config.json").is_file()
+    probe = CASES["hf_qwen2"].batch(torch.Generator().manual_seed(2), 2)
+    with torch.no_grad():
+        a = AutoModelForCausalLM.from_pretrained(out).eval()(input_ids=probe).logits
+        b = AutoModelForCausalLM.from_pretrained(hf_dir).eval()(input_ids=probe).logits
+    assert torch.equal(a, b)
+    assert cli.main(["export", str(ckpt_dir), str(out), "--hf"]) == 2  # --config is required

@@ -22,6 +22,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("checkpoint", help="checkpoint directory written by fs.save")
     parser.add_argument("out", help="output .safetensors file (written atomically)")
     parser.add_argument(
+        "--hf",
+        action="store_true",
+        help="write OUT as a Hugging Face from_pretrained directory (needs --config)",
+    )
+    parser.add_argument("--config", help="with --hf: the model's config.json or its directory")
+    parser.add_argument("--max-shard-size", default="5GB", help="with --hf (default: 5GB)")
+    parser.add_argument(
         "--batch-mb",
         type=int,
         default=DEFAULT_BATCH_BYTES >> 20,
@@ -35,8 +42,19 @@ def main(argv: list[str]) -> int:
     if args.batch_mb <= 0:
         print(f"flatshard export: --batch-mb={args.batch_mb} must be positive", file=sys.stderr)
         return 2
+    if args.hf and not args.config:
+        print("flatshard export --hf: pass --config (the model's config.json)", file=sys.stderr)
+        return 2
     try:
-        out = export_checkpoint(args.checkpoint, args.out, batch_bytes=args.batch_mb << 20)
+        if args.hf:
+            from .checkpoint.pretrained import export_pretrained
+
+            out = export_pretrained(
+                args.checkpoint, args.out, config=args.config,
+                max_shard_size=args.max_shard_size, batch_bytes=args.batch_mb << 20,
+            )  # fmt: skip
+        else:
+            out = export_checkpoint(args.checkpoint, args.out, batch_bytes=args.batch_mb << 20)
     except (ValueError, OSError) as err:
         print(f"flatshard export: {err}", file=sys.stderr)
         return 1

@@ -127,11 +127,11 @@ def export_checkpoint(
     if problem := verify_files(opened, opened.data_files):
         raise ValueError(problem)
     model = opened.description["model"]
-    entries = [_saved_entry(opened, model, key) for key in model["keys"]]
+    entries = [saved_entry(opened, model, key) for key in model["keys"]]
     writer = StreamingSafetensorsWriter(out_path, entries, EXPORT_METADATA)
     try:
-        for batch in _batches(entries, batch_bytes):
-            loaded = _read(opened, model, {model["aliases"].get(k, k) for k, _, _ in batch})
+        for batch in in_batches(entries, batch_bytes):
+            loaded = read_full(opened, model, {model["aliases"].get(k, k) for k, _, _ in batch})
             for key, _, shape in batch:
                 writer.write(key, loaded[model["aliases"].get(key, key)].view(shape))
     except BaseException:
@@ -140,7 +140,7 @@ def export_checkpoint(
     return writer.close()
 
 
-def _saved_entry(opened: Opened, model: dict, key: str) -> tuple[str, torch.dtype, tuple]:
+def saved_entry(opened: Opened, model: dict, key: str) -> tuple[str, torch.dtype, tuple]:
     source = model["aliases"].get(key, key)
     entry = model["params"].get(source) or model["buffers"][source]
     md = opened.metadata.state_dict_metadata.get(source)
@@ -148,7 +148,7 @@ def _saved_entry(opened: Opened, model: dict, key: str) -> tuple[str, torch.dtyp
     return key, dtype, tuple(entry["shape"])
 
 
-def _batches(entries: list, limit: int) -> list[list]:
+def in_batches(entries: list, limit: int) -> list[list]:
     batches, current, size = [], [], 0
     for entry in entries:
         nbytes = entry[1].itemsize * max(1, int(torch.Size(entry[2]).numel()))
@@ -160,7 +160,7 @@ def _batches(entries: list, limit: int) -> list[list]:
     return batches + ([current] if current else [])
 
 
-def _read(opened: Opened, model: dict, names: set[str]) -> dict[str, torch.Tensor]:
+def read_full(opened: Opened, model: dict, names: set[str]) -> dict[str, torch.Tensor]:
     """Full tensors (flat for parameters) of ``names``, read from every shard that holds them."""
     targets: dict[str, Item] = {}
     out: dict[str, torch.Tensor] = {}

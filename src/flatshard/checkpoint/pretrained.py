@@ -120,7 +120,7 @@ def save_pretrained(
             error = f"cannot write {out}: {err}"
     error = _stream_units(state, layout, keys, writer, error)
     if writer is not None and error is None:
-        error = _finish(writer, layout, out)
+        error = _finish(writer, layout.buffers, out)
     if error is not None and writer is not None:
         writer.abort()
     agree.raise_if(agree.from_rank0(error, agree.world()), OSError)
@@ -154,9 +154,9 @@ def _stream_units(state, layout, unit_keys, writer, error) -> str | None:
     return error
 
 
-def _finish(writer: _ShardedWriter, layout, out: Path) -> str | None:
+def _finish(writer: _ShardedWriter, buffers: dict, out: Path) -> str | None:
     try:
-        for name, buf in layout.buffers.items():
+        for name, buf in buffers.items():
             writer.write(name, buf)
         if len(writer.files) > 1:
             total = sum(
@@ -167,3 +167,50 @@ def _finish(writer: _ShardedWriter, layout, out: Path) -> str | None:
     except OSError as err:
         return f"writing {out}: {err}"
     return None
+
+
+def export_pretrained(
+    ckpt: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    config: str | os.PathLike,
+    max_shard_size: int | str = "5GB",
+    batch_bytes: int = 256 << 20,
+) -> Path:
+    """A flatshard checkpoint directory -> a ``from_pretrained`` directory, in this process.
+    ``config``: the model's ``config.json`` or a directory holding it (and possibly
+    ``generation_config.json``), e.g. the model's original ``save_pretrained`` directory."""
+    from .exporting import in_batches, read_full, saved_entry
+    from .loader import open_checkpoint, verify_files
+
+    opened = open_checkpoint(ckpt)
+    if problem := verify_files(opened, opened.data_files):
+        raise ValueError(problem)
+    model = opened.description["model"]
+    keys = [k for k in model["keys"] if k not in model["aliases"]]  # tied weights once
+    entries = [saved_entry(opened, model, key) for key in keys]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    _copy_configs(Path(config), out)
+    writer = _ShardedWriter(out, _files(entries, parse_size(max_shard_size)))
+    try:
+        for batch in in_batches(entries, batch_bytes):
+            loaded = read_full(opened, model, {k for k, _, _ in batch})
+            for key, _, shape in batch:
+                writer.write(key, loaded[key].view(shape))
+    except BaseException:
+        writer.abort()
+        raise
+    if problem := _finish(writer, {}, out):  # the buffers came with the rest, in key order
+        raise OSError(problem)
+    return out
+
+
+def _copy_configs(config: Path, out: Path) -> None:
+    sources = [config] if config.is_file() else [config / "config.json"]
+    if config.is_dir() and (config / "generation_config.json").is_file():
+        sources.append(config / "generation_config.json")
+    if not sources[0].is_file():
+        raise ValueError(f"--config {config}: no config.json there (pass the model's directory)")
+    for source in sources:
+        (out / source.name).write_bytes(source.read_bytes())
