@@ -16,9 +16,8 @@ from parity_models import CASES
 from patching import patched_attr
 
 
-def case_save_pretrained(name: str, out: str, max_shard_size: str) -> dict | None:
-    """Shard the HF model, take one SGD step, save_pretrained; rank 0: the sharded model's
-    logits on a probe batch (every rank runs the forward)."""
+def _trained(name: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The HF test model ``name``, sharded, after one SGD step on this rank's rows."""
     case = CASES[name]
     torch.manual_seed(0)
     model = fs.shard(case.build(), policy=case.policy())
@@ -27,12 +26,24 @@ def case_save_pretrained(name: str, out: str, max_shard_size: str) -> dict | Non
     batch = case.batch(torch.Generator().manual_seed(1), 2 * world)
     case.loss(model, batch.chunk(world)[rank]).backward()
     opt.step()
+    return model, opt
+
+
+def case_save_pretrained(name: str, out: str, max_shard_size: str) -> dict | None:
+    """Shard the HF model, take one SGD step, save_pretrained; rank 0: the sharded model's
+    logits on a probe batch (every rank runs the forward)."""
+    case = CASES[name]
+    model, _ = _trained(name)
     written = fs.save_pretrained(model, out, max_shard_size=max_shard_size)
     probe = case.batch(torch.Generator().manual_seed(2), 2)
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=probe).logits
-    return {"logits": logits, "written": str(written), "probe": probe} if rank == 0 else None
+    return (
+        {"logits": logits, "written": str(written), "probe": probe}
+        if dist.get_rank() == 0
+        else None
+    )
 
 
 @pytest.mark.parametrize(
@@ -158,14 +169,7 @@ def test_each_rank_reads_only_its_own_fragments_of_a_pretrained_dir(dist_pools, 
 
 def case_save_checkpoint(name: str, ckpt_dir: str, hf_dir: str) -> None:
     """The same trained model as case_save_pretrained, saved both ways."""
-    case = CASES[name]
-    torch.manual_seed(0)
-    model = fs.shard(case.build(), policy=case.policy())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    batch = case.batch(torch.Generator().manual_seed(1), 2 * world)
-    case.loss(model, batch.chunk(world)[rank]).backward()
-    opt.step()
+    model, opt = _trained(name)
     fs.save(ckpt_dir, model=model, optimizer=opt)
     fs.save_pretrained(model, hf_dir)
 

@@ -31,3 +31,17 @@ def test_import_and_shard_do_not_import_heavy_dependencies(tmp_path):
     new = json.loads(done.stdout.strip().splitlines()[-1])
     heavy = [m for m in new if m.split(".")[0] in HEAVY]
     assert heavy == [], f"import flatshard / fs.shard imported {heavy}"
+
+
+def test_heavy_dependencies_are_extras_not_core_requirements():
+    """A core install (``pip install flatshard``) does not even have them: torch imports tqdm
+    at its own import time when it is installed (torch.hub), so the extra is what keeps it out."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: the tomli backport, a dependency there
+        import tomli as tomllib
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    core = [d.split(";")[0].split(">")[0].split("=")[0].strip() for d in project["dependencies"]]
+    assert not set(core) & set(HEAVY), core
+    assert {"tqdm", "matplotlib"} <= set(project["optional-dependencies"]["train"])
