@@ -23,6 +23,7 @@ from .grad_scaler import GradScaler
 from .introspect import MemoryStats, UnitInfo, comm_stats, is_sharded, memory_stats, units
 from .methods import register_method
 from .offload import CPUOffload
+from .optim_state import full_optimizer_state_dict, load_full_optimizer_state_dict
 from .params import FragmentInfo, fragment_info, full_shape
 from .precision import MixedPrecision
 from .prefetch import Prefetch
@@ -45,10 +46,12 @@ __all__ = [
     "export_safetensors",
     "fragment_info",
     "full_shape",
+    "full_optimizer_state_dict",
     "full_state_dict",
     "is_sharded",
     "latest_checkpoint",
     "load",
+    "load_full_optimizer_state_dict",
     "load_full_state_dict",
     "load_full_state_dict_from_file",
     "memory_stats",

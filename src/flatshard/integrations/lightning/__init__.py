@@ -1,0 +1,26 @@
+"""Lightning integration (``pip install flatshard[lightning]``).
+
+Importing this module registers ``strategy="flatshard"`` with both ``lightning.Trainer`` and
+``lightning.Fabric``. The strategy classes are ``FlatshardStrategy`` (Trainer) and
+``flatshard.integrations.lightning.fabric.FlatshardStrategy`` (Fabric), as Lightning has one
+``FSDPStrategy`` per flavour. See docs/integrations/lightning.md.
+"""
+
+from lightning.fabric.strategies import STRATEGY_REGISTRY as _FABRIC_REGISTRY
+from lightning.pytorch.strategies import StrategyRegistry as _TRAINER_REGISTRY
+
+from . import fabric
+from .precision import FabricFlatshardPrecision, FlatshardPrecision
+from .trainer import FlatshardStrategy
+
+FabricFlatshardStrategy = fabric.FlatshardStrategy
+
+FabricFlatshardStrategy.register_strategies(_FABRIC_REGISTRY)
+FlatshardStrategy.register_strategies(_TRAINER_REGISTRY)
+
+__all__ = [
+    "FabricFlatshardPrecision",
+    "FabricFlatshardStrategy",
+    "FlatshardPrecision",
+    "FlatshardStrategy",
+]

@@ -1,0 +1,230 @@
+"""``FlatshardStrategy`` for ``lightning.Fabric`` (``strategy="flatshard"``).
+
+``fabric.setup(model, optimizer)`` shards the model (``fs.shard``) and re-points an optimizer
+built before sharding at the fragments (it must not have stepped yet), so both orders of
+setup work; ``fabric.no_backward_sync`` is ``fs.no_sync``; ``fabric.clip_gradients(max_norm=)``
+clips by the global norm; ``fabric.save``/``fabric.load`` go through ``fs.save``/``fs.load``
+(or one full file with ``state_dict_type="full"``); ``fabric.init_module(empty_init=True)``
+builds on the meta device and ``fs.shard`` materialises one unit at a time.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies import ParallelStrategy
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import nn
+
+from ...accumulate import no_sync
+from ...grad_norm import clip_grad_norm_
+from ...precision import MixedPrecision
+from .. import common
+from . import checkpointing
+from .options import collect_options, init_process_group
+from .precision import FabricFlatshardPrecision
+
+
+class _NoSync(_BackwardSyncControl):
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        return no_sync(module) if enabled else nullcontext()
+
+
+class FlatshardStrategy(ParallelStrategy):
+    """Fabric strategy that trains with ``fs.shard``.
+
+    Args:
+        policy, strategy, mixed_precision: ``fs.shard``'s (default: ``fs.wrap.auto()``,
+            ``"full_shard"``, and the precision plugin's mixed precision).
+        state_dict_type: ``"sharded"`` (``fs.save``, every rank writes its shards) or
+            ``"full"`` (one ``torch.save`` file on rank 0).
+        **shard_kwargs: any other ``fs.shard`` argument (``offload``, ``prefetch``, ...).
+    """
+
+    def __init__(
+        self,
+        policy: Any = None,
+        strategy: Any = None,
+        mixed_precision: MixedPrecision | None = None,
+        state_dict_type: str = "sharded",
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        precision: Precision | None = None,
+        **shard_kwargs: Any,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision=precision,
+        )
+        self.options = collect_options(
+            policy,
+            strategy,
+            mixed_precision,
+            state_dict_type,
+            process_group_backend,
+            timeout,
+            shard_kwargs,
+        )
+        self._num_nodes = 1
+        self._backward_sync_control = _NoSync()
+
+    # ---- where and how many ----------------------------------------------------------------
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def precision(self) -> FabricFlatshardPrecision:
+        plugin = self._precision
+        return plugin if plugin is not None else FabricFlatshardPrecision("32-true")
+
+    @precision.setter
+    def precision(self, precision: Precision | None) -> None:
+        if precision is not None and not isinstance(precision, FabricFlatshardPrecision):
+            # Fabric's connector builds its own plugin from precision="..."; take its string
+            precision = FabricFlatshardPrecision(str(getattr(precision, "precision", precision)))
+        self._precision = precision
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        init_process_group(self, self.options)
+        self.precision.device_type = self.root_device.type
+
+    def _set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            rank = self.node_rank * self.num_processes + self.local_rank
+            self.cluster_environment.set_global_rank(rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ---- module and optimizers -------------------------------------------------------------
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list, scheduler=None):
+        names = common.parameter_names(module)
+        module = self.setup_module(module)
+        for optimizer in optimizers:
+            if not common.references_fragments(optimizer, module):
+                common.repoint_optimizer(optimizer, names, module)
+        return module, optimizers, scheduler
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        if self.root_device.type != "cpu" and not any(
+            t.device.type == "meta" for t in module.parameters()
+        ):
+            module = module.to(self.root_device)
+        kwargs = self.options.shard_kwargs_with(self.precision.mixed_precision)
+        return common.shard_module(module, kwargs)
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return optimizer
+
+    def module_to_device(self, module: nn.Module) -> None:
+        pass  # fs.shard places the shards
+
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
+        stack = ExitStack()
+        if empty_init:
+            stack.enter_context(torch.device("meta"))
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    # ---- collectives -----------------------------------------------------------------------
+    def all_reduce(self, tensor, group: Any | None = None, reduce_op: Any = "mean"):
+        from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if _distributed_is_initialized():
+            torch.distributed.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
+        return holder[0]
+
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
+        self.precision.unscale_gradients(optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+
+    # ---- checkpoints -----------------------------------------------------------------------
+    def save_checkpoint(self, path, state: dict, storage_options=None, filter=None) -> None:
+        if storage_options is not None or filter is not None:
+            raise TypeError(
+                "FlatshardStrategy.save_checkpoint: storage_options= and filter= are not "
+                "supported (fs.save writes every entry of the state)"
+            )
+        model, optimizer, rest = common.split_state(state)
+        if model is None:
+            raise ValueError("fabric.save(path, state): state has no module set up by fabric")
+        keys = (model[0], optimizer[0] if optimizer else "optimizer")
+        optim = optimizer[1] if optimizer else None
+        checkpointing.save(path, model[1], optim, rest, self.options.state_dict_type, keys)
+
+    def load_checkpoint(self, path, state=None, strict: bool = True, weights_only=None) -> dict:
+        if isinstance(state, nn.Module):
+            state = {"model": state}
+        model, optimizer, _ = common.split_state(dict(state or {}))
+        if model is None:
+            raise ValueError("fabric.load(path, state): state needs the module set up by fabric")
+        keys = (model[0], optimizer[0] if optimizer else "optimizer")
+        optim = optimizer[1] if optimizer else None
+        saved = checkpointing.load(path, model[1], optim, keys, strict)
+        return common.restore_rest(state, saved)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            "flatshard", cls, description="flatshard: fully sharded data parallel", override=True
+        )

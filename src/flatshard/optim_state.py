@@ -1,0 +1,177 @@
+"""Full (unsharded) optimizer state, torch's FQN-keyed layout, for one-file checkpoints.
+
+``full_optimizer_state_dict`` returns what ``torch.distributed.checkpoint.state_dict.
+get_optimizer_state_dict(..., full_state_dict=True)`` gives for an unsharded model: on rank 0
+``{"state": {name: {key: full tensor}}, "param_groups": [{..., "params": [names]}]}``. A state
+tensor shaped like its fragment (``exp_avg``, ``momentum_buffer``) is gathered the way the
+parameters are: one all-gather per (flat group, key) into a buffer laid out like the gathered
+parameters. Any other state (AdamW's ``step``) is the same on every rank and taken as it is.
+``load_full_optimizer_state_dict`` is the inverse: rank 0's full tensors are broadcast one flat
+group and key at a time, each rank keeps its fragments' ranges. Peak: one group's full buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .api import get_state
+from .comm.collectives import all_gather_into, broadcast
+
+__all__ = ["full_optimizer_state_dict", "load_full_optimizer_state_dict"]
+
+
+def _names(model: nn.Module) -> dict[int, str]:
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters():
+        names.setdefault(id(p), name)
+    return names
+
+
+def _is_fragment_shaped(value: object, fragment: torch.Tensor) -> bool:
+    return torch.is_tensor(value) and value.dim() == 1 and value.shape == fragment.shape
+
+
+def _fragment_keys(optimizer: torch.optim.Optimizer, group, process_group) -> list[str]:
+    """State keys shaped like the fragments of ``group``, the union over its shard group."""
+    keys = {
+        key
+        for spec in group.specs
+        for key, value in optimizer.state.get(spec.fragment, {}).items()
+        if _is_fragment_shaped(value, spec.fragment)
+    }
+    if process_group is not None:
+        every: list[list[str] | None] = [None] * dist.get_world_size(process_group)
+        dist.all_gather_object(every, sorted(keys), group=process_group)
+        keys = set().union(*[set(k or ()) for k in every])
+    return sorted(keys)
+
+
+def _groups(model: nn.Module) -> Iterator[tuple[object, object]]:
+    for unit in get_state(model).units:
+        for group in unit.groups:
+            yield unit, group
+
+
+@torch.no_grad()
+def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Rank 0: ``optimizer``'s full state keyed by parameter name; other ranks ``{}``.
+    Every rank must call it (it gathers)."""
+    names, timeout = _names(model), get_state(model).timeout
+    out: dict[str, dict] = {}
+    for unit, group in _groups(model):
+        for key in _fragment_keys(optimizer, group, unit.process_group):
+            full = _gather(optimizer, group, key, unit, timeout)
+            for spec in group.specs:
+                view = full[spec.offset : spec.offset + spec.numel].view(spec.shape)
+                out.setdefault(names[id(spec.fragment)], {})[key] = view.to("cpu", copy=True)
+    if dist.get_rank() != 0:
+        return {}
+    for param, values in optimizer.state.items():
+        name = names.get(id(param))
+        for key, value in values.items():
+            if name is not None and key not in out.get(name, {}):
+                copy = value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
+                out.setdefault(name, {})[key] = copy
+    groups = [
+        {
+            **{k: v for k, v in g.items() if k != "params"},
+            "params": [names[id(p)] for p in g["params"]],
+        }
+        for g in optimizer.param_groups
+    ]
+    return {"state": out, "param_groups": groups}
+
+
+def _gather(optimizer, group, key: str, unit, timeout) -> torch.Tensor:
+    values = [optimizer.state.get(s.fragment, {}).get(key) for s in group.specs]
+    dtype = next((v.dtype for v in values if v is not None), torch.float32)
+    shard = torch.zeros(group.shard_numel, dtype=dtype, device=group.shard.device)
+    for spec, value in zip(group.specs, values, strict=True):
+        if value is not None and spec.local_end > spec.local_start:
+            shard[spec.local_start : spec.local_end].copy_(value)
+    world = dist.get_world_size(unit.process_group) if unit.process_group is not None else 1
+    full = torch.empty(world * group.shard_numel, dtype=dtype, device=shard.device)
+    all_gather_into(full, shard, unit.process_group, unit.stats, "optimizer_state").wait(timeout)
+    return full
+
+
+@torch.no_grad()
+def load_full_optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, osd: dict
+) -> None:
+    """Load ``full_optimizer_state_dict``'s result (held by rank 0; other ranks may pass ``{}``)
+    into ``optimizer``'s fragments, and rank 0's hyperparameters into its param groups. Every
+    rank must call it; the optimizer must have the saving one's param groups."""
+    names = _names(model)
+    is_rank0 = dist.get_rank() == 0
+    saved = osd.get("state", {}) if is_rank0 else {}
+    groups = [osd.get("param_groups")] if is_rank0 else [None]
+    dist.broadcast_object_list(groups, src=0)
+    _set_hyperparameters(optimizer, groups[0])
+    for unit, group in _groups(model):
+        plan = [_plan(saved, group, names)] if is_rank0 else [None]
+        dist.broadcast_object_list(plan, src=0)
+        keys, others = plan[0]
+        for key, dtype in keys:
+            full = _full_buffer(saved, group, key, names, dtype, unit) if is_rank0 else None
+            full = _broadcast_full(full, group, dtype, unit)
+            start = group.layout.shard_start
+            for spec in group.specs:
+                if spec.fragment.requires_grad:
+                    piece = full[start + spec.local_start : start + spec.local_end]
+                    entry = optimizer.state.setdefault(spec.fragment, {})
+                    entry[key] = piece.clone()
+        for spec in group.specs:
+            for key, value in others.get(names[id(spec.fragment)], {}).items():
+                optimizer.state.setdefault(spec.fragment, {})[key] = value
+
+
+def _plan(saved: dict, group, names: dict[int, str]) -> tuple[list, dict]:
+    """Rank 0: the fragment-shaped keys of ``group`` (with dtypes) and the other entries."""
+    keys: dict[str, torch.dtype] = {}
+    others: dict[str, dict] = {}
+    for spec in group.specs:
+        name = names[id(spec.fragment)]
+        for key, value in saved.get(name, {}).items():
+            if torch.is_tensor(value) and value.shape == spec.shape and value.dim():
+                keys.setdefault(key, value.dtype)
+            else:
+                others.setdefault(name, {})[key] = value
+    return sorted(keys.items()), others
+
+
+def _full_buffer(saved, group, key, names, dtype, unit) -> torch.Tensor:
+    world = dist.get_world_size(unit.process_group) if unit.process_group is not None else 1
+    full = torch.zeros(world * group.shard_numel, dtype=dtype)
+    for spec in group.specs:
+        value = saved.get(names[id(spec.fragment)], {}).get(key)
+        if value is not None:
+            full[spec.offset : spec.offset + spec.numel].copy_(value.reshape(-1))
+    return full
+
+
+def _broadcast_full(full, group, dtype, unit) -> torch.Tensor:
+    world = dist.get_world_size(unit.process_group) if unit.process_group is not None else 1
+    device = group.shard.device
+    if full is None:
+        full = torch.empty(world * group.shard_numel, dtype=dtype, device=device)
+    else:
+        full = full.to(device)
+    broadcast(full, 0, None, unit.stats)
+    return full
+
+
+def _set_hyperparameters(optimizer: torch.optim.Optimizer, groups: list[dict] | None) -> None:
+    if groups is None:
+        return
+    if len(groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"the saved optimizer has {len(groups)} param groups, this one "
+            f"{len(optimizer.param_groups)}; build it with the same groups as the saving one"
+        )
+    for mine, theirs in zip(optimizer.param_groups, groups, strict=True):
+        mine.update({k: v for k, v in theirs.items() if k != "params"})
