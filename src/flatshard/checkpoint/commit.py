@@ -2,7 +2,8 @@
 
 [Note: atomic checkpoints]
 Every rank writes into ``<path>.tmp-<id>`` (a name rank 0 picks and broadcasts). When all data
-files exist, each rank hashes its own files; rank 0 writes ``flatshard.json``, then
+files exist, each rank reports its own files' sha256, computed while writing them
+(``digest_writer.py``); rank 0 writes ``flatshard.json``, then
 ``MANIFEST.json`` (sizes and sha256 of every file) last, fsyncs, and renames the directory to
 ``<path>``. A save killed at any point leaves either nothing at ``<path>`` or the previous
 complete checkpoint; the partial directory keeps its ``.tmp-`` name (and usually lacks the
@@ -46,11 +47,6 @@ def new_tmp_dir(path: Path) -> Path:
     tmp = path.with_name(f"{path.name}{TMP_MARK}{uuid.uuid4().hex[:12]}")
     tmp.mkdir(parents=True)
     return tmp
-
-
-def rank_files(tmp: Path, rank: int) -> dict[str, dict]:
-    """Size and sha256 of the data files DCP wrote for ``rank`` (named ``__<rank>_<n>.distcp``)."""
-    return {p.name: describe_file(p) for p in sorted(tmp.glob(f"__{rank}_*.distcp"))}
 
 
 def _write_durably(path: Path, text: str) -> None:

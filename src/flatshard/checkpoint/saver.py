@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..api import get_state
 from . import agree, commit, jsonable
+from .digest_writer import DigestWriter
 from .layout import describe_model, model_items, model_layout, optimizer_entries
 from .planner import FlatSavePlanner, Item, Pickled, Sharded
 
@@ -204,18 +205,14 @@ def _write_and_commit(
     items, description: dict, tmp: Path, path: Path, group, before_commit=None
 ) -> None:
     rank = dist.get_rank(group)
+    writer = DigestWriter(tmp)  # hashes the data files as it writes them
     try:
         with torch.no_grad():
-            dcp.save(
-                items,
-                storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
-                planner=FlatSavePlanner(),
-                process_group=group,
-            )
+            dcp.save(items, storage_writer=writer, planner=FlatSavePlanner(), process_group=group)
     except CheckpointException as err:
         raise agree.dcp_error(err, f"writing {tmp}") from None
     try:
-        mine, error = commit.rank_files(tmp, rank), None
+        mine, error = writer.data_files(tmp, rank), None
     except OSError as err:
         mine, error = {}, f"hashing the files written in {tmp}: {err}"
     gathered = [None] * dist.get_world_size(group)
