@@ -6,10 +6,25 @@
 and adds each fp32-computed update with Kahan compensation or stochastic rounding, so updates
 far below bf16's resolution still accumulate. ``kahan_add_`` and ``stochastic_round`` are the
 building blocks.
+
+``Muon`` and ``Adafactor`` are torch's (same arguments, same math) for sharded parameters: the
+whole-matrix work (Newton–Schulz; row/column statistics) is done from the whole reduced
+gradient, by one owner rank per matrix for Muon, by small all-reduces for Adafactor
+(docs/optimizers.md). ``muon_split`` picks the matrices Muon should take.
 """
 
-from .groups import param_groups
+from .adafactor import Adafactor
+from .groups import muon_split, param_groups
 from .kahan import AdamWKahan
+from .muon import Muon
 from .rounding import kahan_add_, stochastic_round
 
-__all__ = ["AdamWKahan", "kahan_add_", "param_groups", "stochastic_round"]
+__all__ = [
+    "Adafactor",
+    "AdamWKahan",
+    "Muon",
+    "kahan_add_",
+    "muon_split",
+    "param_groups",
+    "stochastic_round",
+]

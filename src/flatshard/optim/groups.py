@@ -1,4 +1,5 @@
-"""``fs.optim.param_groups``: weight-decay groups by the original shapes and module kinds.
+"""``fs.optim.param_groups``: weight-decay groups by the original shapes and module kinds;
+``fs.optim.muon_split``: the matrices Muon takes and the rest.
 
 The usual recipe (nanoGPT, HF Trainer, torchtitan's variants) decays matrices and leaves
 biases, norm weights, embeddings and every other 1-D tensor alone. Written as
@@ -63,3 +64,26 @@ def param_groups(
 
 def _is_embedding(module: nn.Module) -> bool:
     return isinstance(module, nn.Embedding | nn.EmbeddingBag)
+
+
+HEAD_NAMES = ("lm_head", "head", "output", "classifier", "score", "embed_out")
+
+
+def muon_split(
+    model: nn.Module, *, head_names: tuple[str, ...] = HEAD_NAMES
+) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """``(matrices, others)`` of ``model``'s trainable parameters, as Muon's authors recommend:
+    ``matrices`` (for ``fs.optim.Muon``) are the hidden layers' 2-D parameters by *full*
+    shape; ``others`` (for AdamW) are embeddings (and anything tied to one), the output head
+    (a module whose own name is in ``head_names``) and every parameter that is not 2-D.
+    Works on sharded and plain models alike."""
+    others: set[int] = set()
+    for name, module in model.named_modules():
+        if _is_embedding(module) or name.rsplit(".", 1)[-1] in head_names:
+            others.update(id(p) for p in module.parameters(recurse=False))
+    matrices, rest = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            whole = len(full_shape(p)) == 2 and id(p) not in others
+            (matrices if whole else rest).append(p)
+    return matrices, rest

@@ -11,11 +11,14 @@ optimizer and what to use instead, and a ``ValueError`` for the classic weight-d
 (``p.dim() >= 2`` finds no matrix among 1-D fragments). The hook is stateless apart from a
 flag on each optimizer and ignores optimizers without fragments, so it is safe for other
 models in the same process. (torch.optim.Muon refuses 1-D parameters in its constructor by
-itself.)
+itself; the guard still names it, for one that got fragments through ``add_param_group``.)
+Adafactor and Muon have flatshard versions that are exact on shards (``fs.optim.Adafactor``,
+``fs.optim.Muon``): the message points there. They are other classes, never refused here.
 """
 
 from __future__ import annotations
 
+import torch
 from torch.optim.optimizer import Optimizer, register_optimizer_step_pre_hook
 
 from ..params import full_shape, is_fragment
@@ -32,7 +35,10 @@ WHOLE_PARAMETER = {
         "which each rank would compute on its own shard"
     ),
     "SparseAdam": "it needs sparse gradients, and flatshard's sharded gradients are dense",
+    "Muon": ("it orthogonalises each whole 2-D matrix (Newton–Schulz), not a 1-D fragment"),
 }
+# Refused torch optimizers that flatshard has an exact sharded version of.
+FLATSHARD_VERSION = {"Adafactor": "fs.optim.Adafactor", "Muon": "fs.optim.Muon"}
 INSTEAD = (
     "Use an elementwise optimizer instead (torch.optim.AdamW, Adam, SGD, RMSprop, Adagrad, "
     "...: they are exact on shards), or train this model without fs.shard"
@@ -54,14 +60,29 @@ def _check_first_step(optimizer: Optimizer, args, kwargs) -> None:
         return
     groups = optimizer.param_groups
     if any(is_fragment(p) for g in groups for p in g["params"]):
-        name = type(optimizer).__name__
-        if name in WHOLE_PARAMETER:
+        name = _refused_torch_class(optimizer)
+        if name is not None:
+            instead = (
+                f"Use {FLATSHARD_VERSION[name]} (same arguments, exact on shards). Or: {INSTEAD}"
+                if name in FLATSHARD_VERSION
+                else INSTEAD
+            )
             raise TypeError(
                 f"torch.optim.{name} cannot step on a sharded model's parameters: "
-                f"{WHOLE_PARAMETER[name]}. {INSTEAD}."
+                f"{WHOLE_PARAMETER[name]}. {instead}."
             )
         _check_weight_decay_groups(groups)
     setattr(optimizer, CHECKED, True)
+
+
+def _refused_torch_class(optimizer: Optimizer) -> str | None:
+    """The name of the refused ``torch.optim`` class ``optimizer`` is an instance of, if any
+    (a subclass counts; flatshard's own ``fs.optim.Muon``/``Adafactor`` are other classes)."""
+    for name in WHOLE_PARAMETER:
+        cls = getattr(torch.optim, name, None)
+        if cls is not None and isinstance(optimizer, cls):
+            return name
+    return None
 
 
 def _check_weight_decay_groups(groups: list[dict]) -> None:

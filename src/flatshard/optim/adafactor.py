@@ -1,0 +1,199 @@
+"""``fs.optim.Adafactor``: ``torch.optim.Adafactor`` on a sharded model's fragments.
+
+Adafactor needs three facts about each whole parameter: its RMS (the step size), the row and
+column means of its squared gradient (the factored second moment), and the RMS of its update
+(the clipping). All three are sums over the parameter, so each rank sums its fragment and two
+small all-reduces per step (over the shard group, every parameter at once) finish them:
+``1 + B (m + n)`` numbers per matrix, then one per parameter. Nothing is gathered. The row and
+column factors are kept whole and identical on every rank (torch's shapes and key names, so
+checkpoints store them as ordinary replicated tensors); 1-D parameters keep a fragment-shaped
+``variance``. The update is computed twice (once for its norm, once to apply it) rather than
+kept for every parameter: the extra memory is one fragment at a time.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.optim.optimizer import Optimizer, ParamsT
+
+from .exchange import all_reduce_sum
+from .factored import Rows, factored_variance, partial_sums, update_factors
+from .whole import WholeParam, check_one_model, comm_of, whole_param
+
+__all__ = ["Adafactor"]
+
+
+class Adafactor(Optimizer):
+    """``torch.optim.Adafactor`` (same arguments, defaults and math) for a model sharded by
+    ``fs.shard`` (or plain tensors). ``foreach`` is accepted for compatibility; the sharded
+    step has one implementation."""
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | torch.Tensor = 1e-2,
+        beta2_decay: float = -0.8,
+        eps: tuple[float | None, float] = (None, 1e-3),
+        d: float = 1.0,
+        weight_decay: float = 0.0,
+        *,
+        foreach: bool | None = None,
+        maximize: bool = False,
+    ) -> None:
+        _check_hyper(lr, beta2_decay, eps, d, weight_decay)
+        if foreach:
+            warnings.warn("fs.optim.Adafactor: foreach=True has no effect", stacklevel=2)
+        defaults = dict(
+            lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay,
+            foreach=foreach, maximize=maximize,
+        )  # fmt: skip
+        super().__init__(params, defaults)
+        every = [p for g in self.param_groups for p in g["params"]]
+        check_one_model(every, "fs.optim.Adafactor")
+        self._comm = comm_of(every)
+        self._wholes: dict[int, WholeParam] = {}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One Adafactor step on every parameter that has a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        items = [
+            self._item(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None
+        ]
+        if not items:
+            return loss
+        group = items[0].whole.group
+        sums = torch.cat([item.local_sums() for item in items])
+        all_reduce_sum(sums, group, self._comm)
+        offset, norms = 0, []
+        for item in items:
+            offset = item.advance(sums, offset)
+            norms.append(item.update_square_sum())
+        norms_t = torch.stack(norms)
+        all_reduce_sum(norms_t, group, self._comm)
+        for item, norm_sq in zip(items, norms_t.tolist(), strict=True):
+            item.apply(norm_sq)
+        return loss
+
+    def _item(self, p: torch.Tensor, group: dict[str, Any]) -> _Item:
+        if torch.is_complex(p):
+            raise RuntimeError("fs.optim.Adafactor does not support complex parameters")
+        if p.grad.is_sparse:
+            raise RuntimeError("fs.optim.Adafactor does not support sparse gradients")
+        whole = self._wholes.get(id(p))
+        if whole is None or whole.param is not p:
+            whole = self._wholes[id(p)] = whole_param(p)
+        state = self.state[p]
+        if not state:
+            _init_state(state, whole, p.grad)
+        grad = -p.grad if group["maximize"] else p.grad
+        return _Item(whole, grad.reshape(-1), state, group)
+
+
+def _init_state(state: dict, whole: WholeParam, grad: torch.Tensor) -> None:
+    """torch's state: ``step``, and ``row_var``/``col_var`` in the *full* shape's factor shapes
+    (whole on every rank) for a matrix, or a fragment-shaped ``variance`` for a vector."""
+    state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
+    shape = whole.shape
+    if len(shape) > 1:
+        state["row_var"] = grad.new_zeros((*shape[:-1], 1))
+        state["col_var"] = grad.new_zeros((*shape[:-2], 1, shape[-1]))
+    else:
+        state["variance"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+
+
+@dataclass
+class _Item:
+    """One parameter's Adafactor step on this rank."""
+
+    whole: WholeParam
+    grad: torch.Tensor  # flat fragment, sign already flipped for ``maximize``
+    state: dict
+    hyper: dict[str, Any]
+    alpha: float = 0.0
+    eps1: float = 0.0
+
+    @property
+    def factored(self) -> bool:
+        return "row_var" in self.state
+
+    @property
+    def rows(self) -> Rows:
+        return Rows.of(self.whole.shape, self.whole.start, self.whole.end)
+
+    def local_sums(self) -> torch.Tensor:
+        """This fragment's sum of squares of the parameter, then (matrices) its part of the
+        row and column sums of the squared gradient."""
+        p = self.whole.param.reshape(-1)
+        param_sq = p.float().square().sum().reshape(1).to(self.grad.dtype)
+        if not self.factored:
+            return param_sq
+        return torch.cat([param_sq, partial_sums(self.grad * self.grad, self.rows)])
+
+    def advance(self, sums: torch.Tensor, offset: int) -> int:
+        """The step count, the step size and the second moment, from the reduced sums at
+        ``offset``; returns the offset of the next parameter's sums."""
+        h, step_t = self.hyper, self.state["step"]
+        step_t += 1
+        step = step_t.item()
+        weight = step ** h["beta2_decay"]  # 1 - beta2_t
+        lr = float(h["lr"])
+        rho = min(lr, 1 / step**0.5)
+        rms = math.sqrt(max(sums[offset].item(), 0.0)) / self.whole.numel**0.5
+        self.alpha = max(h["eps"][1], rms) * rho
+        eps1 = h["eps"][0]
+        self.eps1 = torch.finfo(self.whole.param.dtype).eps if eps1 is None else eps1
+        if not self.factored:
+            self.state["variance"].lerp_(self.grad * self.grad, weight)
+            return offset + 1
+        rows = self.rows
+        size = rows.batches * (rows.m + rows.n)
+        factors = sums[offset + 1 : offset + 1 + size]
+        update_factors(self.state["row_var"], self.state["col_var"], factors, rows, weight)
+        return offset + 1 + size
+
+    def update(self) -> torch.Tensor:
+        """This fragment's ``grad / sqrt(max(V, eps1^2))`` (flat)."""
+        if self.factored:
+            s = self.state
+            var = factored_variance(
+                s["row_var"], s["col_var"], self.rows, self.grad.numel(), self.eps1
+            )
+        else:
+            var = self.state["variance"].reshape(-1).clone()
+        return var.clamp_(min=self.eps1 * self.eps1).rsqrt_().mul_(self.grad)
+
+    def update_square_sum(self) -> torch.Tensor:
+        return self.update().float().square().sum().to(self.grad.dtype)
+
+    def apply(self, update_sq: float) -> None:
+        """Decoupled weight decay, then the update clipped to RMS ``d``."""
+        p, h = self.whole.param, self.hyper
+        if h["weight_decay"] != 0:
+            p.mul_(1 - float(h["lr"]) * h["weight_decay"])
+        rms = math.sqrt(max(update_sq, 0.0)) / (self.whole.numel**0.5 * h["d"])
+        p.add_(self.update().view(p.shape), alpha=-self.alpha / max(1.0, rms))
+
+
+def _check_hyper(lr, beta2_decay: float, eps: tuple, d: float, weight_decay: float) -> None:
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError(f"lr is a tensor of {lr.numel()} elements; give a float or 1 element")
+    checks = [
+        ("lr", lr, lr >= 0.0, ">= 0"),
+        ("beta2_decay", beta2_decay, beta2_decay <= 0.0, "<= 0"),
+        ("eps[0]", eps[0], eps[0] is None or eps[0] >= 0.0, "None or >= 0"),
+        ("eps[1]", eps[1], eps[1] >= 0.0, ">= 0"),
+        ("d", d, d >= 1.0, ">= 1"),
+        ("weight_decay", weight_decay, weight_decay >= 0.0, ">= 0"),
+    ]
+    for name, value, ok, rule in checks:
+        if not ok:
+            raise ValueError(f"fs.optim.Adafactor: {name}={value}; it must be {rule}")

@@ -1,0 +1,118 @@
+"""The parity harness of the whole-parameter optimizers (fs.optim.Muon, fs.optim.Adafactor).
+
+``optimizer_parity`` trains a sharded copy of a ``parity_models`` case on each rank's slice of
+every global batch with a flatshard optimizer, and a plain copy on the whole batch with torch's
+own, and reports rank 0's parameter and optimizer-state errors (full shapes) and every rank's
+gradient error at every step.
+
+``handoff=True`` gives the reference, after its gradient was compared, the sharded model's
+reduced gradient bit for bit. Muon needs it: torch's Newton–Schulz runs in bf16, so two
+unsharded torch runs whose gradients differ by rounding (the same batch summed in two halves)
+already differ by ~5e-5 after 4 steps at lr=1e-3 (``bench/bench_muon.py --noise``); with the
+same gradient bits the sharded step must equal torch's to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import flatshard as fs
+from flatshard.api import get_state
+from parity_models import CASES, mesh_for, rel_err
+
+Factory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+def full_tensor(model: nn.Module, fragment: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The whole parameter-shaped tensor whose fragments (one per shard rank) are the
+    ``fragment``-shaped tensors on each rank (gradients, state); every rank gets it."""
+    info = _info_of(model)[id(like)]
+    full = torch.zeros(info.full_shape.numel(), dtype=fragment.dtype)
+    start, end = info.flat_range
+    full[start:end] = fragment.detach().reshape(-1)
+    group = get_state(model).topology.shard_group
+    if group is not None:  # disjoint ranges, zeros elsewhere: the sum is exact
+        dist.all_reduce(full, group=group)
+    return full.view(info.full_shape)
+
+
+def _info_of(model: nn.Module) -> dict:
+    return {id(i.fragment): i for i in fs.fragment_info(model).values()}
+
+
+def optimizer_parity(
+    name: str,
+    strategy: str,
+    make: Factory,
+    make_ref: Factory,
+    *,
+    select: Callable[[torch.Size], bool],
+    steps: int = 4,
+    handoff: bool = False,
+) -> dict:
+    """Per rank: grad_err (worst over steps), sd_err and state_err (rank 0; 0.0 elsewhere),
+    and ``empty``: how many selected fragments are empty on this rank."""
+    case = CASES[name]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = case.build()
+    model = copy.deepcopy(ref)
+    fs.shard(model, policy=case.policy(), strategy=strategy, mesh=mesh_for(strategy))
+    pairs = [
+        (p, dict(ref.named_parameters())[n])
+        for n, p in model.named_parameters()
+        if p.requires_grad and select(fs.full_shape(p))
+    ]
+    opt, ref_opt = make([p for p, _ in pairs]), make_ref([r for _, r in pairs])
+    grad_err = 0.0
+    for step in range(steps):
+        batch = case.batch(torch.Generator().manual_seed(step), 2 * world)
+        case.loss(model, batch.chunk(world)[rank]).backward()
+        case.loss(ref, batch).backward()
+        for p, r in pairs:
+            if p.grad is None:
+                assert r.grad is None, "None-ness differs"
+                continue
+            full = full_tensor(model, p.grad, p)
+            grad_err = max(grad_err, rel_err(full, r.grad))
+            if handoff:
+                r.grad.copy_(full)
+        opt.step(), ref_opt.step()
+        model.zero_grad(), ref.zero_grad()
+    return dict(
+        grad_err=grad_err,
+        sd_err=_params_err(model, ref),
+        state_err=_state_err(model, opt, ref_opt, pairs),
+        empty=sum(1 for p, _ in pairs if p.numel() == 0),
+    )
+
+
+def _params_err(model: nn.Module, ref: nn.Module) -> float:
+    full = fs.full_state_dict(model)
+    return (
+        max((rel_err(full[k], v) for k, v in ref.state_dict().items()), default=0.0)
+        if full
+        else 0.0
+    )
+
+
+def _state_err(model, opt, ref_opt, pairs) -> float:
+    """Worst relative error of every optimizer state tensor, compared in full shape (every
+    rank takes part in the gathers; rank 0 reports)."""
+    worst = 0.0
+    for p, r in pairs:
+        mine, theirs = opt.state.get(p, {}), ref_opt.state.get(r, {})
+        assert set(mine) == set(theirs), (sorted(mine), sorted(theirs))
+        for key, value in theirs.items():
+            ours = mine[key]
+            if torch.is_tensor(ours) and ours.shape == p.shape and value.dim() > 0:
+                ours = full_tensor(model, ours, p)  # fragment-shaped: gather it
+            worst = max(
+                worst, rel_err(torch.as_tensor(ours).float(), torch.as_tensor(value).float())
+            )
+    return worst if dist.get_rank() == 0 else 0.0
