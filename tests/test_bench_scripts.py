@@ -29,6 +29,7 @@ SCRIPTS = {
     ),
     "bench_packing.py": ([sys.executable], ["--quick", "--steps", "1"]),
     "bench_checkpointing.py": ([sys.executable], ["--layers", "2", "--dim", "24"]),
+    "bench_pretrained_load.py": ([sys.executable], [*TINY, "--worlds", "1", "--dir", "{tmp}/w"]),
     "parity_report.py": ([sys.executable], ["--cases", "gpt_tied", "--worlds", "2"]),
     "gpu_check.sh": (["bash"], ["{tmp}"]),
 }

@@ -109,46 +109,29 @@ def test_written_file_metadata_is_pt(tmp_path, dist_pools):
         assert f.metadata() == {"format": "pt"}
 
 
-class _CountingSlice:
-    """A safetensors slice that counts the elements read through it."""
-
-    def __init__(self, inner, read: list[int]) -> None:
-        self._inner, self._read = inner, read
-
-    def get_shape(self):
-        return self._inner.get_shape()
-
-    def __getitem__(self, index):
-        out = self._inner[index]
-        self._read.append(out.numel())
-        return out
-
-
 def case_load_pretrained(name: str, path: str) -> dict:
     """fs.load of a save_pretrained directory into a fresh sharded model at this world size;
-    the elements each rank read from the files, and what the rows around its fragments hold."""
+    the elements each rank read from the files, and how many its fragments hold."""
     from flatshard.checkpoint import sliced
 
     case = CASES[name]
     torch.manual_seed(7)  # other initial values: everything must come from the files
     model = fs.shard(case.build(), policy=case.policy())
     read: list[int] = []
-    original = sliced._Files.slice
+    original = sliced._Files.read
 
-    def counting(self, file, tensor_name):
-        return _CountingSlice(original(self, file, tensor_name), read)
+    def counting(self, file, tensor_name, start, out):
+        read.append(out.numel())
+        return original(self, file, tensor_name, start, out)
 
-    with patched_attr(sliced._Files, "slice", counting):
+    with patched_attr(sliced._Files, "read", counting):
         assert fs.load(path, model=model) == {}
-    # a fragment is read as the whole rows that cover it: at most 2 partial rows more
-    rows = 0
-    for info in fs.fragment_info(model).values():
-        start, end = info.flat_range
-        row = max(1, info.full_shape[1:].numel()) if info.full_ndim else 1
-        rows += (-(-end // row) - start // row) * row if end > start else 0
+    own = sum(
+        end - start for start, end in (i.flat_range for i in fs.fragment_info(model).values())
+    )
     persistent = model.state_dict().keys()  # non-persistent buffers are in no file
     buffers = sum(b.numel() for n, b in model.named_buffers() if n in persistent)
-    return {"full": fs.full_state_dict(model), "read": sum(read), "rows": rows + buffers}
+    return {"full": fs.full_state_dict(model), "read": sum(read), "own": own + buffers}
 
 
 def test_each_rank_reads_only_its_own_fragments_of_a_pretrained_dir(dist_pools, tmp_path):
@@ -163,8 +146,8 @@ def test_each_rank_reads_only_its_own_fragments_of_a_pretrained_dir(dist_pools, 
     assert set(full) == set(reference)
     assert all(torch.equal(full[k], v) for k, v in reference.items())
     total = sum(v.numel() for k, v in reference.items() if k != "lm_head.weight")
-    for r in results:  # the rows around its own fragments: no rank reads the model
-        assert r["read"] == r["rows"] < total, (r["read"], r["rows"], total)
+    for r in results:  # exactly its own fragments: no rank reads the model
+        assert r["read"] == r["own"] < total, (r["read"], r["own"], total)
 
 
 def case_save_checkpoint(name: str, ckpt_dir: str, hf_dir: str) -> None:
@@ -190,3 +173,27 @@ def test_flatshard_export_hf_writes_what_from_pretrained_loads(dist_pools, tmp_p
         b = AutoModelForCausalLM.from_pretrained(hf_dir).eval()(input_ids=probe).logits
     assert torch.equal(a, b)
     assert cli.main(["export", str(ckpt_dir), str(out), "--hf"]) == 2  # --config is required
+
+
+def test_sliced_reads_refuse_damaged_safetensors_files(tmp_path):
+    from safetensors.torch import save_file
+
+    from flatshard.checkpoint import sliced
+
+    good = tmp_path / "good.safetensors"
+    save_file({"w": torch.arange(12.0).reshape(3, 4)}, str(good))
+    with sliced._Files() as files:
+        out = torch.empty(5, dtype=torch.float64)  # another dtype: read, then cast
+        files.read(good, "w", 3, out)
+        assert out.tolist() == [3.0, 4.0, 5.0, 6.0, 7.0]
+    data = good.read_bytes()
+    bad = {
+        "truncated": data[:-8],
+        "header length": (1 << 40).to_bytes(8, "little") + data[8:],
+        "header json": data[:8] + b"{" * 8 + data[16:],
+    }
+    for what, raw in bad.items():
+        path = tmp_path / f"{what}.safetensors"
+        path.write_bytes(raw)
+        with sliced._Files() as files, pytest.raises(ValueError, match=str(path)):
+            files.read(path, "w", 0, torch.empty(12))

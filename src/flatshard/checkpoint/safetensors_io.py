@@ -98,3 +98,51 @@ class StreamingSafetensorsWriter:
     def abort(self) -> None:
         self._file.close()
         self._tmp.unlink(missing_ok=True)
+
+
+# Reading: the header parsed (JSON only, never a pickle), each tensor's bytes read by range.
+CODE_DTYPES: dict[str, torch.dtype] = {code: dtype for dtype, code in DTYPE_CODES.items()}
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+
+
+def read_header(f, file: Path) -> tuple[dict, int]:
+    """The JSON header of the safetensors file open as ``f``, and where its data starts."""
+    size = os.fstat(f.fileno()).st_size
+    length = int.from_bytes(f.read(8), "little") if size >= 8 else -1
+    if not 0 < length <= min(MAX_HEADER_BYTES, size - 8):
+        raise ValueError(f"{file} is not a safetensors file (header length {length})")
+    try:
+        header = json.loads(f.read(length))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{file} has a damaged safetensors header ({err})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{file} has a damaged safetensors header (not a JSON object)")
+    return header, 8 + length
+
+
+def header_entry(header: dict, name: str, file: Path, data_start: int) -> tuple:
+    """``name``'s dtype, shape and first byte in the file, checked for consistency."""
+    entry = header.get(name)
+    try:
+        dtype = CODE_DTYPES[entry["dtype"]]
+        shape = [int(n) for n in entry["shape"]]
+        begin, end = (int(n) for n in entry["data_offsets"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"{file}: entry {name!r} is missing or malformed ({entry!r})") from None
+    if begin < 0 or end - begin != math.prod(shape) * dtype.itemsize:
+        raise ValueError(f"{file}: entry {name!r} has byte range {[begin, end]} for {shape}")
+    return dtype, shape, data_start + begin
+
+
+def read_into(f, offset: int, out: torch.Tensor, file: Path) -> None:
+    """Read ``out.nbytes`` bytes at ``offset`` of ``f`` into the contiguous tensor ``out``."""
+    if not out.numel():
+        return
+    # Through ctypes, not .numpy(): numpy would pin the storage as non-resizable.
+    view = memoryview((ctypes.c_ubyte * out.nbytes).from_address(out.data_ptr()))
+    done = 0
+    while done < out.nbytes:
+        count = os.preadv(f.fileno(), [view[done:]], offset + done)
+        if count <= 0:
+            raise ValueError(f"{file} is truncated: no bytes at offset {offset + done}")
+        done += count

@@ -1,16 +1,20 @@
 """Pretrained weights into a sharded model, each rank reading only its own fragments.
 
 ``fs.load`` on a ``save_pretrained`` directory (``model.safetensors``, or the indexed
-``model-0000k-of-0000N.safetensors`` files) or on a ``.safetensors`` file: every rank opens the
-files (memory-mapped) and, per parameter, reads the rows that cover its fragment through a
-safetensors slice. No rank builds the full model: host memory is the shard plus one slice.
+``model-0000k-of-0000N.safetensors`` files) or on a ``.safetensors`` file: every rank parses the
+files' JSON headers and, per parameter, reads the bytes of its fragment (a contiguous range of
+the row-major tensor) with plain file reads, straight into the fragment's storage when the
+dtypes match (else through one fragment-sized temporary, then cast). No rank builds the full
+model, and nothing is memory-mapped: a mapping would count every page read in the rank's
+resident memory until the file is closed (a second shard), where ``read`` leaves them in the
+page cache. Host memory is the shard plus at most one fragment (measured:
+``bench/bench_pretrained_load.py``, docs/checkpoints.md).
 (A ``torch.save`` file cannot be sliced: it goes through rank 0, see ``full_file.py``.)
 """
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import torch
@@ -18,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..params import fragment_tag
-from . import agree
+from . import agree, safetensors_io
 from .layout import ModelLayout, model_layout
 
 INDEX = "model.safetensors.index.json"
@@ -32,10 +36,8 @@ def is_pretrained_dir(path: Path) -> bool:
 def _weight_files(path: Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file that holds it."""
     if path.is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            return dict.fromkeys(f.keys(), path)
+        with _Files() as files:
+            return dict.fromkeys(files.names(path), path)
     if (path / INDEX).is_file():
         index = json.loads((path / INDEX).read_text())
         return {name: path / file for name, file in index["weight_map"].items()}
@@ -62,34 +64,55 @@ def _sources(layout: ModelLayout, files: dict[str, Path]) -> tuple[dict[str, str
 
 
 class _Files:
-    """Open safetensors handles, one per file, for the duration of the load."""
+    """Open safetensors files and their parsed headers, for the duration of the load."""
 
     def __init__(self) -> None:
-        self._open: dict[Path, object] = {}
+        self._open: dict[Path, tuple] = {}  # file -> (binary file, header, offset of the data)
 
-    def slice(self, file: Path, name: str):
-        from safetensors import safe_open
+    def __enter__(self) -> _Files:
+        return self
 
+    def __exit__(self, *exc) -> None:
+        for f, _, _ in self._open.values():
+            f.close()
+        self._open.clear()
+
+    def _file(self, file: Path) -> tuple:
         if file not in self._open:
-            self._open[file] = safe_open(str(file), framework="pt", device="cpu")
-        return self._open[file].get_slice(name)  # type: ignore[attr-defined]
+            f = open(file, "rb", buffering=0)  # noqa: SIM115 (closed by __exit__)
+            try:
+                header, data_start = safetensors_io.read_header(f, file)
+            except BaseException:
+                f.close()
+                raise
+            self._open[file] = (f, header, data_start)
+        return self._open[file]
 
+    def names(self, file: Path) -> list[str]:
+        return [k for k in self._file(file)[1] if k != "__metadata__"]
 
-def _read_fragment(handle, shape: torch.Size, flat_range: tuple[int, int]) -> torch.Tensor:
-    """Elements ``[start, end)`` of the flattened tensor, reading only the rows covering them."""
-    start, end = flat_range
-    if len(shape) == 0:
-        return handle[:].reshape(-1)[start:end]
-    row = math.prod(shape[1:])
-    first, last = start // row, -(-end // row)
-    rows = handle[first:last].reshape(-1)
-    return rows[start - first * row : end - first * row]
+    def entry(self, file: Path, name: str) -> tuple[torch.dtype, list[int], int]:
+        """``name``'s dtype, shape and first byte in ``file`` (checked against the file)."""
+        _, header, data_start = self._file(file)
+        return safetensors_io.header_entry(header, name, file, data_start)
+
+    def read(self, file: Path, name: str, start: int, out: torch.Tensor) -> None:
+        """Fill ``out`` with elements ``[start, start + out.numel())`` of the flattened
+        stored tensor, read from the file (through a host temporary when ``out`` is on
+        another device, non-contiguous or of another dtype)."""
+        dtype, _, first = self.entry(file, name)
+        direct = out.dtype == dtype and out.is_contiguous() and out.device.type == "cpu"
+        target = out.view(-1) if direct else torch.empty(out.numel(), dtype=dtype)
+        offset = first + start * dtype.itemsize
+        safetensors_io.read_into(self._file(file)[0], offset, target, file)
+        if not direct:
+            out.copy_(target.view(out.shape))
 
 
 def _check(layout: ModelLayout, files: dict[str, Path], sources: dict[str, str], opened) -> None:
     for name, stored in sources.items():
         want = layout.params[name].shape if name in layout.params else layout.buffers[name].shape
-        have = tuple(opened.slice(files[stored], stored).get_shape())
+        have = tuple(opened.entry(files[stored], stored)[1])
         if have != tuple(want):
             raise ValueError(f"{stored!r} has shape {list(have)} in the file, {list(want)} here")
 
@@ -98,24 +121,24 @@ def _check(layout: ModelLayout, files: dict[str, Path], sources: dict[str, str],
 def load_sliced(path: Path, model: nn.Module) -> dict:
     """Fill ``model``'s fragments (and buffers) from safetensors files, each rank its own."""
     layout = model_layout(model)
-    opened, error = _Files(), None
-    try:
-        files = _weight_files(path)
-        sources, missing = _sources(layout, files)
-        if missing:
-            raise ValueError(f"lacks {missing[:5]}; pass the weights of this architecture")
-        _check(layout, files, sources, opened)
-    except (OSError, ValueError, KeyError) as err:
-        error = f"cannot load {path}: {err}"
-    agree.raise_if(agree.first_error(error, agree.world()))
-    for name, p in layout.params.items():
-        tag = fragment_tag(p.fragment)
-        if p.fragment.numel():
-            handle = opened.slice(files[sources[name]], sources[name])
-            p.fragment.copy_(_read_fragment(handle, p.shape, tag.flat_range))
-    for name, buf in layout.buffers.items():
-        if name in sources:
-            buf.copy_(opened.slice(files[name], name)[:])
+    with _Files() as opened:
+        error = None
+        try:
+            files = _weight_files(path)
+            sources, missing = _sources(layout, files)
+            if missing:
+                raise ValueError(f"lacks {missing[:5]}; pass the weights of this architecture")
+            _check(layout, files, sources, opened)
+        except (OSError, ValueError, KeyError) as err:
+            error = f"cannot load {path}: {err}"
+        agree.raise_if(agree.first_error(error, agree.world()))
+        for name, p in layout.params.items():
+            if p.fragment.numel():
+                start = fragment_tag(p.fragment).flat_range[0]
+                opened.read(files[sources[name]], sources[name], start, p.fragment.detach())
+        for name, buf in layout.buffers.items():
+            if name in sources:
+                opened.read(files[name], name, 0, buf)
     if dist.is_initialized():
         dist.barrier(agree.world())  # nobody trains on half-loaded weights
     return {}
