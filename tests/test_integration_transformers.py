@@ -1,0 +1,70 @@
+"""``FlatshardTrainer`` against the stock ``transformers.Trainer`` (DDP through Accelerate).
+
+One torchrun launch for the module (``integrations/hf_run.py``, world 2, CPU/Gloo); each test
+reads what both ranks measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+SCRIPT = Path(__file__).parent / "integrations" / "hf_run.py"
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("hf")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    with socket.socket() as sock:  # torchrun's default port may be taken by a parallel run
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(port), str(SCRIPT), str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def worst(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) and a, (len(a), len(b))
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+def test_losses_and_grad_norms_equal_ddp(ranks):
+    for res in ranks:
+        assert len(res["ddp"]) == 20
+        assert worst(res["ddp"], res["flat"]) <= TOL
+        # the logged norm is the global one (before clipping at 0.1: every step clips)
+        assert worst(res["ddp_grad_norms"], res["grad_norms"]) <= TOL * 10
+        assert min(res["grad_norms"]) > 0.1
+
+
+def test_resume_from_checkpoint_reproduces_the_losses(ranks):
+    for res in ranks:
+        assert len(res["resumed"]) == 20
+        assert worst(res["flat"][10:], res["resumed"][10:]) <= TOL
+    files = ranks[0]["checkpoint_files"]
+    assert {"flatshard", "model.safetensors", "config.json", "scheduler.pt"} <= set(files)
+
+
+def test_save_model_loads_with_from_pretrained(ranks):
+    assert ranks[0]["from_pretrained_err"] == 0.0
+
+
+def test_gradient_checkpointing_and_bf16(ranks):
+    for res in ranks:
+        assert worst(res["flat"][:4], res["gc"]) <= 1e-6
+        assert worst(res["ddp_bf16"], res["flat_bf16"]) <= 5e-3
