@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,69 @@ def _info_of(model: nn.Module) -> dict:
     return {id(i.fragment): i for i in fs.fragment_info(model).values()}
 
 
+@dataclass
+class Run:
+    """A sharded copy and a plain copy of a ``parity_models`` case, and their optimizers over
+    the parameters whose full shape ``select`` picks (``pairs``: fragment, plain parameter)."""
+
+    name: str
+    model: nn.Module
+    ref: nn.Module
+    pairs: list[tuple[nn.Parameter, nn.Parameter]]
+    opt: torch.optim.Optimizer
+    ref_opt: torch.optim.Optimizer
+    grad_err: float = 0.0
+
+
+def build_run(name: str, strategy: str, make: Factory, make_ref: Factory, select: Callable) -> Run:
+    case = CASES[name]
+    torch.manual_seed(0)
+    ref = case.build()
+    model = copy.deepcopy(ref)
+    fs.shard(model, policy=case.policy(), strategy=strategy, mesh=mesh_for(strategy))
+    plain = dict(ref.named_parameters())
+    pairs = [
+        (p, plain[n])
+        for n, p in model.named_parameters()
+        if p.requires_grad and select(fs.full_shape(p))
+    ]
+    return Run(
+        name, model, ref, pairs, make([p for p, _ in pairs]), make_ref([r for _, r in pairs])
+    )
+
+
+def train(run: Run, steps: range, handoff: bool, rows: int | None = None) -> None:
+    """Steps ``steps`` (their indices seed the global batches of ``rows`` rows, default
+    2 per rank) of both copies; the worst gradient error goes to ``run.grad_err``."""
+    case = CASES[run.name]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in steps:
+        batch = case.batch(torch.Generator().manual_seed(step), rows or 2 * world)
+        case.loss(run.model, batch.chunk(world)[rank]).backward()
+        case.loss(run.ref, batch).backward()
+        for p, r in run.pairs:
+            if p.grad is None:
+                assert r.grad is None, "None-ness differs"
+                continue
+            full = full_tensor(run.model, p.grad, p)
+            run.grad_err = max(run.grad_err, rel_err(full, r.grad))
+            if handoff:
+                r.grad.copy_(full)
+        run.opt.step(), run.ref_opt.step()
+        run.model.zero_grad(), run.ref.zero_grad()
+
+
+def report(run: Run) -> dict:
+    """grad_err (this rank, worst over steps), sd_err and state_err (rank 0; 0.0 elsewhere),
+    and ``empty``: how many selected fragments are empty on this rank."""
+    return dict(
+        grad_err=run.grad_err,
+        sd_err=_params_err(run.model, run.ref),
+        state_err=_state_err(run.model, run.opt, run.ref_opt, run.pairs),
+        empty=sum(1 for p, _ in run.pairs if p.numel() == 0),
+    )
+
+
 def optimizer_parity(
     name: str,
     strategy: str,
@@ -55,41 +119,10 @@ def optimizer_parity(
     steps: int = 4,
     handoff: bool = False,
 ) -> dict:
-    """Per rank: grad_err (worst over steps), sd_err and state_err (rank 0; 0.0 elsewhere),
-    and ``empty``: how many selected fragments are empty on this rank."""
-    case = CASES[name]
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    ref = case.build()
-    model = copy.deepcopy(ref)
-    fs.shard(model, policy=case.policy(), strategy=strategy, mesh=mesh_for(strategy))
-    pairs = [
-        (p, dict(ref.named_parameters())[n])
-        for n, p in model.named_parameters()
-        if p.requires_grad and select(fs.full_shape(p))
-    ]
-    opt, ref_opt = make([p for p, _ in pairs]), make_ref([r for _, r in pairs])
-    grad_err = 0.0
-    for step in range(steps):
-        batch = case.batch(torch.Generator().manual_seed(step), 2 * world)
-        case.loss(model, batch.chunk(world)[rank]).backward()
-        case.loss(ref, batch).backward()
-        for p, r in pairs:
-            if p.grad is None:
-                assert r.grad is None, "None-ness differs"
-                continue
-            full = full_tensor(model, p.grad, p)
-            grad_err = max(grad_err, rel_err(full, r.grad))
-            if handoff:
-                r.grad.copy_(full)
-        opt.step(), ref_opt.step()
-        model.zero_grad(), ref.zero_grad()
-    return dict(
-        grad_err=grad_err,
-        sd_err=_params_err(model, ref),
-        state_err=_state_err(model, opt, ref_opt, pairs),
-        empty=sum(1 for p, _ in pairs if p.numel() == 0),
-    )
+    """``report`` after ``steps`` steps of a fresh run."""
+    run = build_run(name, strategy, make, make_ref, select)
+    train(run, range(steps), handoff)
+    return report(run)
 
 
 def _params_err(model: nn.Module, ref: nn.Module) -> float:
