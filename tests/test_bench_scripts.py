@@ -31,6 +31,7 @@ SCRIPTS = {
     "bench_checkpointing.py": ([sys.executable], ["--layers", "2", "--dim", "24"]),
     "bench_pretrained_load.py": ([sys.executable], [*TINY, "--worlds", "1", "--dir", "{tmp}/w"]),
     "parity_report.py": ([sys.executable], ["--cases", "gpt_tied", "--worlds", "2"]),
+    "bench_muon.py": (TORCHRUN, [*TINY, "--rounds", "1", "--seq", "8"]),
     "gpu_check.sh": (["bash"], ["{tmp}"]),
 }
 

@@ -65,3 +65,31 @@ def test_save_at_world_2_load_at_world_3_continues_like_torch(dist_pools, tmp_pa
             print(f"  {label:10s} {when:7s} params {e['sd_err']:.1e} state {e['state_err']:.1e}")
             assert e["sd_err"] <= 1e-5 and e["state_err"] <= 1e-5, (label, when, e)
     assert any(r["muon"]["after"]["empty"] for r in results), "no empty matrix fragment"
+
+
+def _combined(model: torch.nn.Module) -> fs.optim.Combined:
+    matrices, others = fs.optim.muon_split(model)
+    adamw = torch.optim.AdamW(others, lr=1e-3)
+    return fs.optim.Combined(adamw, fs.optim.Muon(matrices, lr=0.02))
+
+
+def test_combined_is_one_optimizer_for_schedulers_and_state_dicts():
+    from parity_models import TinyGPT
+
+    torch.manual_seed(0)
+    model, twin = TinyGPT(layers=1), TinyGPT(layers=1)
+    twin.load_state_dict(model.state_dict())
+    opt, twin_opt = _combined(model), _combined(twin)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5)
+    assert [g["lr"] for g in opt.param_groups] == [5e-4, 0.01]  # the parts' own groups
+    x = torch.randint(0, 53, (2, 6))
+    for m, o in ((model, opt), (twin, twin_opt)):
+        m(x).sum().backward()
+        o.step()
+    sched.step()
+    twin_opt.load_state_dict(opt.state_dict())
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert set(opt.state[p]) == set(twin_opt.state[q])
+        for key, value in opt.state[p].items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(twin_opt.state[q][key]))
+    assert [g["lr"] for g in twin_opt.param_groups] == [g["lr"] for g in opt.param_groups]

@@ -8,7 +8,7 @@ gradient error at every step.
 ``handoff=True`` gives the reference, after its gradient was compared, the sharded model's
 reduced gradient bit for bit. Muon needs it: torch's Newton–Schulz runs in bf16, so two
 unsharded torch runs whose gradients differ by rounding (the same batch summed in two halves)
-already differ by ~5e-5 after 4 steps at lr=1e-3 (``bench/bench_muon.py --noise``); with the
+already differ by ~5e-5 after 4 steps at lr=1e-3 (docs/optimizers.md); with the
 same gradient bits the sharded step must equal torch's to fp32 rounding.
 """
 

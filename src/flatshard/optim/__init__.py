@@ -10,10 +10,12 @@ building blocks.
 ``Muon`` and ``Adafactor`` are torch's (same arguments, same math) for sharded parameters: the
 whole-matrix work (Newton–Schulz; row/column statistics) is done from the whole reduced
 gradient, by one owner rank per matrix for Muon, by small all-reduces for Adafactor
-(docs/optimizers.md). ``muon_split`` picks the matrices Muon should take.
+(docs/optimizers.md). ``muon_split`` picks the matrices Muon should take; ``Combined`` makes
+Muon and an AdamW for the rest one optimizer (schedulers, ``fs.save``).
 """
 
 from .adafactor import Adafactor
+from .combined import Combined
 from .groups import muon_split, param_groups
 from .kahan import AdamWKahan
 from .muon import Muon
@@ -22,6 +24,7 @@ from .rounding import kahan_add_, stochastic_round
 __all__ = [
     "Adafactor",
     "AdamWKahan",
+    "Combined",
     "Muon",
     "kahan_add_",
     "muon_split",

@@ -101,18 +101,32 @@ def _hybrid_mesh(env: Env) -> object:
     )
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW; norms and biases skip weight decay. After sharding every parameter is a 1-D
-    fragment, so ``p.ndim`` cannot tell a matrix from a norm: decide by the (preserved) name."""
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """``cfg.name``: AdamW; Muon for the blocks' matrices plus AdamW for the rest (one
+    ``fs.optim.Combined``, AdamW's groups first); or Adafactor. Norms and biases skip weight
+    decay. After sharding every parameter is a 1-D fragment, so ``p.ndim`` cannot tell a
+    matrix from a norm: decide by the (preserved) name and ``fs.full_shape``."""
+    muon: list[torch.nn.Parameter] = []
+    if cfg.name == "muon":
+        muon = fs.optim.muon_split(model)[0]
+    chosen = {id(p) for p in muon}
     decay, no_decay = [], []
     for name, p in model.named_parameters():
-        if p.requires_grad:
+        if p.requires_grad and id(p) not in chosen:
             (no_decay if "norm" in name or name.endswith("bias") else decay).append(p)
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    if cfg.name == "adafactor":
+        return fs.optim.Adafactor(groups, lr=cfg.lr)
+    adamw = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    if cfg.name == "adamw":
+        return adamw
+    matrices = fs.optim.Muon(
+        muon, lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.weight_decay
+    )
+    return fs.optim.Combined(adamw, matrices)
 
 
 def warmup_cosine(cfg: OptimConfig) -> Callable[[int], float]:

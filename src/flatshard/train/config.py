@@ -28,6 +28,7 @@ __all__ = [
 DTYPES = ("fp32", "bf16", "fp16")
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
 NONFINITE = ("error", "skip")
+OPTIMIZERS = ("adamw", "muon", "adafactor")
 
 
 def _fail(where: str, value: object, rule: str, fix: str) -> ValueError:
@@ -158,7 +159,8 @@ class PrecisionConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """AdamW with linear warm-up then cosine decay, and global gradient-norm clipping."""
+    """AdamW (or Muon, Adafactor) with linear warm-up then cosine decay, and global
+    gradient-norm clipping."""
 
     lr: float = 3e-3
     """Peak learning rate (reached at the end of warm-up)."""
@@ -177,6 +179,14 @@ class OptimConfig:
     """AdamW's second-moment decay."""
     eps: float = 1e-8
     """AdamW's denominator epsilon."""
+    name: str = "adamw"
+    """The optimizer: adamw; muon (fs.optim.Muon for the blocks' matrices, AdamW with the
+    settings above for embeddings, head and 1-D parameters); or adafactor (fs.optim.Adafactor
+    for everything, lr as its maximal relative step, weight_decay as above). docs/optimizers.md"""
+    muon_lr: float = 0.02
+    """Muon's peak learning rate (the blocks' matrices; same warm-up and decay as lr)."""
+    muon_momentum: float = 0.95
+    """Muon's momentum (Nesterov)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 = no clipping (the norm is still logged)."""
     nonfinite: str = "error"
@@ -194,6 +204,9 @@ class OptimConfig:
         _float("optim.eps", self.eps, 0.0, open_low=True)
         _float("optim.grad_clip", self.grad_clip, 0.0)
         _choice("optim.nonfinite", self.nonfinite, NONFINITE)
+        _choice("optim.name", self.name, OPTIMIZERS)
+        _float("optim.muon_lr", self.muon_lr, 0.0, open_low=True)
+        _float("optim.muon_momentum", self.muon_momentum, 0.0, 0.999999)
 
 
 @dataclass(frozen=True)
