@@ -17,7 +17,13 @@ from .comm.debug import OpChecker
 from .comm.fingerprint import check_ranks_agree
 from .engine import hooks
 from .engine.mesh import Topology, require_initialized, resolve_topology
-from .engine.meta_init import InitFn, check_nothing_on_meta, has_meta, materialize_unit
+from .engine.meta_init import (
+    InitFn,
+    check_nothing_on_meta,
+    has_meta,
+    materialize_unit,
+    model_init_fn,
+)
 from .engine.state import ShardedState
 from .engine.unit import Unit
 from .offload import CPUOffload
@@ -66,8 +72,9 @@ def shard(
     collective (default: ``$FLATSHARD_TIMEOUT_S`` or 600 s).
 
     A model built under ``torch.device("meta")`` is materialised unit by unit (peak memory: one
-    unit): ``init_fn(unit_module)`` initialises each unit's parameters (default: the unit
-    module's ``reset_parameters()``, or its children's); see ``flatshard.engine.meta_init``.
+    unit): ``init_fn(unit_module)`` initialises each unit's parameters (default: a
+    transformers model's own ``_init_weights`` on each module, otherwise the unit module's
+    ``reset_parameters()``, or its children's); see ``flatshard.engine.meta_init``.
 
     ``reshard_root``: under ``full_shard``/``hybrid_shard`` the root unit stays gathered from
     its forward into its backward (default, as FSDP2: the root's backward comes first, so a
@@ -152,6 +159,8 @@ def _options(
         )
     prefetch = prefetch if prefetch is not None else Prefetch()
     timeout = _timeout(timeout_s)
+    if init_fn is None and has_meta(model):
+        init_fn = model_init_fn(model)  # a transformers model: its own _init_weights
     return _Options(parsed, mixed_precision, offload, timeout, init_fn, prefetch, reshard_root)
 
 

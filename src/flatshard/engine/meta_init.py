@@ -28,6 +28,51 @@ def has_meta(model: nn.Module) -> bool:
     return any(t.device.type == "meta" for t in tensors)
 
 
+def model_init_fn(model: nn.Module) -> InitFn | None:
+    """The model's own initialiser, when it has one: a transformers ``PreTrainedModel``'s
+    ``_init_weights(module)``, applied to every module of a unit children first, as
+    ``PreTrainedModel.initialize_weights`` does (a parent's rule, such as GPT-2's scaled
+    residual projections, comes last); a nested ``PreTrainedModel`` uses its own.
+
+    So a transformers model built on the meta device initialises as it would have in full
+    (norm weights, rotary tables, scaled projections), without an ``init_fn``. ``None`` for
+    any other model: ``reset_parameters`` then.
+    """
+    if _own_init(model) is None:
+        return None
+    owners = {id(m): fn for m in model.modules() if (fn := _own_init(m)) is not None}
+
+    def apply(module: nn.Module, fn: Callable[[nn.Module], None]) -> None:
+        for child in module.children():
+            apply(child, owners.get(id(child), fn))
+        fn(module)
+
+    def init_unit(unit_module: nn.Module) -> None:
+        fn = next(owners[id(m)] for m in _ancestors(model, unit_module) if id(m) in owners)
+        apply(unit_module, fn)
+
+    return init_unit
+
+
+def _own_init(module: nn.Module) -> Callable[[nn.Module], None] | None:
+    init_weights = getattr(type(module), "_init_weights", None)
+    if callable(init_weights) and hasattr(module, "config"):
+        return module._init_weights
+    return None
+
+
+def _ancestors(root: nn.Module, target: nn.Module) -> list[nn.Module]:
+    """``target`` and the modules above it up to ``root``, innermost first."""
+    for name, module in root.named_modules():
+        if module is target:
+            chain, current = [root], root
+            for part in name.split(".") if name else []:
+                current = getattr(current, part)
+                chain.append(current)
+            return chain[::-1]
+    return [root]
+
+
 def default_init(module: nn.Module, skip: set[int] | None = None) -> None:
     """``module.reset_parameters()``, or that of each child subtree when it has none."""
     reset = getattr(module, "reset_parameters", None)
