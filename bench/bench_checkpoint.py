@@ -12,6 +12,8 @@ checkpoint's bytes on disk over the median time; ratios are ratios of medians. T
 read is the ratio; absolute MB/s on this shared box are disk-cache noise. ``flatshard_async``
 is the time ``fs.save(async_=True)`` blocks the training loop (the snapshot), ``fsdp2_async``
 the time ``dcp.async_save`` does (its staging copy); each write is waited for after it.
+``readback`` is fs.save as it was before it hashed while writing (files hashed by reading them
+back after DCP wrote them), for a before/after comparison in the same run.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ import flatshard as fs
 import flatshard.checkpoint as ckpt
 from flatshard.bench import AnchorBlock as Block
 from flatshard.bench import AnchorGPT as GPT
+from flatshard.checkpoint.digest_writer import DigestWriter
+from flatshard.checkpoint.safety import describe_file
 
 
 def build(mode: str, args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -78,15 +82,36 @@ def fsdp2_load(model, opt, path: Path) -> None:
     set_optimizer_state_dict(model, opt, sd["optim"])
 
 
-def timed(fn, *args) -> float:
-    """Seconds ``fn`` took on the slowest rank."""
+class ReadBackWriter(dcp.FileSystemWriter):
+    """fs.save's writer before hashing while writing: DCP's own, then every data file read
+    back to hash it (the ``readback`` rows; the same checkpoint otherwise)."""
+
+    def __init__(self, path) -> None:
+        super().__init__(str(path), sync_files=True)
+
+    def data_files(self, directory: Path, rank: int) -> dict[str, dict]:
+        return {p.name: describe_file(p) for p in sorted(directory.glob(f"__{rank}_*.distcp"))}
+
+
+def readback_save(model, opt, path: Path) -> None:
+    ckpt.saver.DigestWriter = ReadBackWriter  # the writer fs.save builds, for this call only
+    try:
+        ckpt.save(path, model=model, optimizer=opt)
+    finally:
+        ckpt.saver.DigestWriter = DigestWriter
+
+
+def timed(fn, *args) -> tuple[float, float]:
+    """Seconds ``fn`` took on the slowest rank, and the most CPU seconds a rank's process (all
+    its threads) spent in it: less sensitive than wall time to other jobs on the box."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     fn(*args)
+    c1 = time.process_time()
     dist.barrier()
-    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    t = torch.tensor([time.perf_counter() - t0, c1 - c0], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    return t[0].item(), t[1].item()
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -101,17 +126,22 @@ def run(args: argparse.Namespace) -> dict:
         "fsdp2_load": lambda p: fsdp2_load(*models["fsdp2"], p),
         "flatshard_async": lambda p: ckpt.save(p, model=fs_model, optimizer=fs_opt, async_=True),
         "fsdp2_async": lambda p: fsdp2_async_save(*models["fsdp2"], p, group, pending),
+        "readback_save": lambda p: readback_save(fs_model, fs_opt, p),
+        "readback_load": lambda p: ckpt.load(p, model=fs_model, optimizer=fs_opt),
     }
     times: dict[str, list[float]] = {k: [] for k in ops}
+    cpu: dict[str, list[float]] = {k: [] for k in ops}
     sizes: dict[str, int] = {}
     for i in range(args.rounds + 1):  # round 0 is warmup
-        order = ["flatshard", "fsdp2"][i % 2 :] + ["flatshard", "fsdp2"][: i % 2]
+        modes = ["flatshard", "fsdp2", "readback"]
+        order = modes[i % 3 :] + modes[: i % 3]
         for mode in order:
             path = root / f"{mode}_{i}"
             for op in ("save", "load"):
                 t = timed(ops[f"{mode}_{op}"], path)
                 if i > 0:
-                    times[f"{mode}_{op}"].append(t)
+                    times[f"{mode}_{op}"].append(t[0])
+                    cpu[f"{mode}_{op}"].append(t[1])
             sizes[mode] = sum(f.stat().st_size for f in path.iterdir())
             _cleanup(path)
         for key in ("flatshard_async", "fsdp2_async"):
@@ -121,9 +151,10 @@ def run(args: argparse.Namespace) -> dict:
             while pending:
                 pending.pop().result()
             if i > 0:
-                times[key].append(t)
+                times[key].append(t[0])
+                cpu[key].append(t[1])
             _cleanup(path)
-    return summarize(times, sizes)
+    return summarize(times, cpu, sizes)
 
 
 def _cleanup(path: Path) -> None:
@@ -132,14 +163,16 @@ def _cleanup(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def summarize(times: dict[str, list[float]], sizes: dict[str, int]) -> dict:
+def summarize(times: dict[str, list[float]], cpu: dict, sizes: dict[str, int]) -> dict:
     med = {k: statistics.median(v) for k, v in times.items()}
     mb = {m: s / 1e6 for m, s in sizes.items()}
-    out = {"bytes": sizes, "median_s": med, "times_s": times}
+    out = {"bytes": sizes, "median_s": med, "times_s": times, "cpu_s": cpu}
+    out["median_cpu_s"] = {k: statistics.median(v) for k, v in cpu.items()}
     out["mb_per_s"] = {k: mb[k.split("_")[0]] / v for k, v in med.items() if "async" not in k}
     out["ratio_flatshard_over_fsdp2_time"] = {
         op: med[f"flatshard_{op}"] / med[f"fsdp2_{op}"] for op in ("save", "load", "async")
     }
+    out["ratio_readback_over_fsdp2_save_time"] = med["readback_save"] / med["fsdp2_save"]
     return out
 
 
@@ -154,9 +187,17 @@ def report(out: dict, args: argparse.Namespace) -> None:
         rate = out["mb_per_s"].get(key)
         extra = f"{rate:8.1f} MB/s" if rate else "   (blocking time of the async save)"
         lo, hi = min(out["times_s"][key]) * 1e3, max(out["times_s"][key]) * 1e3
-        print(f"  {key:16} {sec * 1e3:9.1f} ms  [{lo:7.1f} – {hi:7.1f}] {extra}")
+        cpu_ms = out["median_cpu_s"][key] * 1e3
+        print(
+            f"  {key:16} {sec * 1e3:7.0f} ms [{lo:5.0f} – {hi:5.0f}] cpu {cpu_ms:5.0f} ms {extra}"
+        )
     for op, ratio in out["ratio_flatshard_over_fsdp2_time"].items():
-        print(f"  {op}: flatshard MB/s / fsdp2 MB/s = {1 / ratio:.2f} (time ratio {ratio:.2f})")
+        if op == "async":
+            print(f"  async: flatshard's blocking time / fsdp2's = {ratio:.2f}x")
+        else:
+            print(f"  {op}: flatshard MB/s / fsdp2 MB/s = {1 / ratio:.2f}x (time {ratio:.2f}x)")
+    ratio = out["ratio_readback_over_fsdp2_save_time"]
+    print(f"  save, hashing by reading back: MB/s / fsdp2's = {1 / ratio:.2f}x (time {ratio:.2f}x)")
 
 
 def main() -> None:
