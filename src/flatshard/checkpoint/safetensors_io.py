@@ -120,8 +120,9 @@ def read_header(f, file: Path) -> tuple[dict, int]:
     return header, 8 + length
 
 
-def header_entry(header: dict, name: str, file: Path, data_start: int) -> tuple:
-    """``name``'s dtype, shape and first byte in the file, checked for consistency."""
+def header_entry(header: dict, name: str, file: Path, data_start: int, size: int) -> tuple:
+    """``name``'s dtype, shape and first byte in the file (of ``size`` bytes), checked for
+    consistency, so that a damaged file fails here, before any rank starts reading."""
     entry = header.get(name)
     try:
         dtype = CODE_DTYPES[entry["dtype"]]
@@ -131,6 +132,8 @@ def header_entry(header: dict, name: str, file: Path, data_start: int) -> tuple:
         raise ValueError(f"{file}: entry {name!r} is missing or malformed ({entry!r})") from None
     if begin < 0 or end - begin != math.prod(shape) * dtype.itemsize:
         raise ValueError(f"{file}: entry {name!r} has byte range {[begin, end]} for {shape}")
+    if data_start + end > size:
+        raise ValueError(f"{file} is truncated: entry {name!r} ends past its {size} bytes")
     return dtype, shape, data_start + begin
 
 

@@ -15,6 +15,7 @@ page cache. Host memory is the shard plus at most one fragment (measured:
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -93,8 +94,9 @@ class _Files:
 
     def entry(self, file: Path, name: str) -> tuple[torch.dtype, list[int], int]:
         """``name``'s dtype, shape and first byte in ``file`` (checked against the file)."""
-        _, header, data_start = self._file(file)
-        return safetensors_io.header_entry(header, name, file, data_start)
+        f, header, data_start = self._file(file)
+        size = os.fstat(f.fileno()).st_size
+        return safetensors_io.header_entry(header, name, file, data_start, size)
 
     def read(self, file: Path, name: str, start: int, out: torch.Tensor) -> None:
         """Fill ``out`` with elements ``[start, start + out.numel())`` of the flattened
