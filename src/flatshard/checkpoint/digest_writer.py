@@ -1,19 +1,19 @@
 """A DCP ``FileSystemWriter`` that computes each data file's sha256 while writing it.
 
 [Note: hashing while writing]
-The manifest needs the size and sha256 of every data file. Reading the files back after
-``dcp.save`` to hash them costs a second pass over everything written (~0.3 s per 200 MB here).
-Instead, ``DigestWriter`` gives DCP a file system whose write streams pass every byte through
-a ``hashlib.sha256`` on its way to the file, in DCP's own writer threads. The hash costs CPU
-(~125 ms per 200 MB on one core here) that would otherwise sit beside an idle wait: the final
-``fsync``. So after each large block the stream asks the kernel to start writing that range
-to disk (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``, non-blocking, not a durability
-promise: DCP still fsyncs every file), and the disk writes block i while the CPU hashes and
-serialises block i+1. Elsewhere (no such call) the stream only hashes. A digest is
-only trusted when the stream was written strictly in order: a ``seek`` (which no DCP version
-does today), a short write, or a size on disk that differs from the bytes hashed makes
-``data_files`` hash that file the old way, by reading it back. The manifest, and what
-``fs.load`` verifies, are unchanged.
+The manifest needs the size and sha256 of every data file. Instead of reading the files back
+after ``dcp.save`` to hash them (a second pass over everything written), ``DigestWriter`` gives
+DCP a file system whose write streams pass every byte through a ``hashlib.sha256`` on its way
+to the file, in DCP's own writer threads. The hash itself is most of the cost (~130 ms of CPU
+per 200 MB on one core here, against ~20 ms for the read-back pass; docs/checkpoints.md), and
+it would otherwise run beside an idle wait: the final ``fsync``. So after each large block the
+stream asks the kernel to start writing that range to disk (Linux
+``sync_file_range(SYNC_FILE_RANGE_WRITE)``: non-blocking, not a durability promise, DCP still
+fsyncs every file), and the disk writes block i while the CPU hashes and serialises block i+1.
+Elsewhere (no such call) the stream only hashes. A digest is only trusted when the stream was
+written strictly in order: a ``seek`` (which no DCP version does today), a short write, or a
+size on disk that differs from the bytes hashed makes ``data_files`` hash that file the old
+way, by reading it back. The manifest, and what ``fs.load`` verifies, are unchanged.
 """
 
 from __future__ import annotations
