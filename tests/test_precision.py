@@ -209,3 +209,37 @@ def test_cpu_offload_trains_exactly_like_no_offload(dist_pools, world, name, mp)
     for r in dist_pools(world).run(case_offload_parity, name, mp):
         assert r["err"] == 0.0 and r["on_cpu"]
         assert r["h2d"] > 0 and r["d2h"] > 0  # the offload path ran (copies are no-ops on CPU)
+
+
+def case_exports_write_the_fp32_masters(tmp: str) -> dict:
+    """Under bf16 compute, full_state_dict / export_safetensors must hold the fp32 shards'
+    values (engine/masters.py), not the bf16 copy the forward gathers."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    fs.shard(model, policy=fs.wrap.by_type(Block), mixed_precision=fs.MixedPrecision(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32))  # fmt: skip
+    with torch.no_grad():  # values no bf16 can hold
+        for p in model.parameters():
+            p.add_(1e-4 * torch.arange(p.numel(), dtype=p.dtype) / max(p.numel(), 1))
+    full = fs.full_state_dict(model)
+    fs.export_safetensors(model, f"{tmp}/m.safetensors")
+    box = [(full, load_file(f"{tmp}/m.safetensors") if dist.get_rank() == 0 else None)]
+    dist.broadcast_object_list(box, src=0)
+    full, exported = box[0]
+    worst, dtypes = 0.0, set()
+    for info in fs.fragment_info(model).values():
+        start, end = info.flat_range
+        for source in (full, exported):
+            got = source[info.name].reshape(-1)[start:end]
+            dtypes.add(str(got.dtype))
+            if end > start:
+                worst = max(worst, (got - info.fragment.detach()).abs().max().item())
+    return {"worst": worst, "dtypes": sorted(dtypes)}
+
+
+def test_exports_write_the_fp32_masters_under_mixed_precision(dist_pools, tmp_path):
+    for r in dist_pools(2).run(case_exports_write_the_fp32_masters, str(tmp_path)):
+        assert r["dtypes"] == ["torch.float32"]
+        assert r["worst"] == 0.0

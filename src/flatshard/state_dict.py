@@ -17,8 +17,9 @@ from torch import nn
 
 from .api import get_state
 from .comm.collectives import broadcast
+from .engine.masters import master_views
 from .engine.state import ShardedState
-from .engine.unit import ParamState, Unit
+from .engine.unit import Unit
 from .params import fragment_tag, full_shape, is_fragment
 
 
@@ -34,15 +35,11 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         if (tag := fragment_tag(value)) is not None:  # where each fragment lives: its tag
             keys_of_unit.setdefault(tag.unit, []).append((key, tag.group, tag.index))
     out: dict[str, torch.Tensor] = {}
-    for unit in state.units:
-        was_sharded = unit.state is ParamState.SHARDED
-        state.ensure_gathered(unit)
-        if is_rank0:
-            views = [g.full_views() for g in unit.groups]
-            for key, gi, pi in keys_of_unit.get(unit.index, []):
-                out[key] = views[gi][pi].to("cpu", copy=True)
-        if was_sharded:
-            unit.reshard(state.timeout)
+    for unit in state.units:  # the fp32 masters under mixed precision, see engine/masters.py
+        with master_views(state, unit) as views:
+            if is_rank0:
+                for key, gi, pi in keys_of_unit.get(unit.index, []):
+                    out[key] = views[gi][pi].to("cpu", copy=True)
     if not is_rank0:
         return {}
     for key, value in refs.items():

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..api import get_state
-from ..engine.unit import ParamState
+from ..engine.masters import master_views
 from ..params import fragment_tag
 from . import agree
 from .layout import ModelLayout, dtype_from_name, model_layout
@@ -70,12 +70,9 @@ def _export_model(model: nn.Module, out: Path) -> Path | None:
         except (OSError, ValueError) as err:
             error = f"cannot write {out}: {err}"
     for unit in state.units:  # every rank gathers, even after a write error on rank 0
-        was_sharded = unit.state is ParamState.SHARDED
-        state.ensure_gathered(unit)
-        if writer is not None and error is None:
-            error = _write_unit(writer, unit, unit_keys.get(unit.index, []), layout)
-        if was_sharded:
-            unit.reshard(state.timeout)
+        with master_views(state, unit) as views:  # fp32 masters under mixed precision
+            if writer is not None and error is None:
+                error = _write_unit(writer, unit, views, unit_keys.get(unit.index, []), layout)
     if writer is not None:
         error = error or _finish(writer, layout)
     if error is not None and writer is not None:
@@ -84,10 +81,10 @@ def _export_model(model: nn.Module, out: Path) -> Path | None:
     return out if writer is not None else None
 
 
-def _write_unit(writer, unit, keys: list[str], layout: ModelLayout) -> str | None:
+def _write_unit(writer, unit, group_views, keys: list[str], layout: ModelLayout) -> str | None:
     views = {}
-    for group in unit.groups:
-        for spec, view in zip(group.specs, group.full_views(), strict=True):
+    for group, full_views in zip(unit.groups, group_views, strict=True):
+        for spec, view in zip(group.specs, full_views, strict=True):
             views[id(spec.fragment)] = view
     try:
         for key in keys:

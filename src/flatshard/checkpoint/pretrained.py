@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..api import get_state
-from ..engine.unit import ParamState
+from ..engine.masters import master_views
 from . import agree
 from .exporting import header_entry, unit_keys_of
 from .layout import model_layout
@@ -137,20 +137,18 @@ def _write_configs(model: nn.Module, out: Path) -> None:
 def _stream_units(state, layout, unit_keys, writer, error) -> str | None:
     """Every rank gathers each unit in turn (even after rank 0 failed); rank 0 writes it."""
     for unit in state.units:
-        was_sharded = unit.state is ParamState.SHARDED
-        state.ensure_gathered(unit)
-        if writer is not None and error is None:
+        with master_views(state, unit) as group_views:  # fp32 masters under mixed precision
+            if writer is None or error is not None:
+                continue
             views = {}
-            for group in unit.groups:
-                for spec, view in zip(group.specs, group.full_views(), strict=True):
+            for group, full_views in zip(unit.groups, group_views, strict=True):
+                for spec, view in zip(group.specs, full_views, strict=True):
                     views[id(spec.fragment)] = view
             try:
                 for key in unit_keys.get(unit.index, []):
                     writer.write(key, views[id(layout.params[key].fragment)])
             except OSError as err:
                 error = f"writing {writer.out}: {err}"
-        if was_sharded:
-            unit.reshard(state.timeout)
     return error
 
 
