@@ -12,8 +12,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import api
+from .. import api, wrap
 from ..introspect import is_sharded
+
+
+def no_split_policy(model: nn.Module) -> Any:
+    """``fs.wrap.by_type`` of a transformers model's ``_no_split_modules`` classes (its decoder
+    layers), or ``fs.wrap.auto()`` when it names none that it contains. Reads names only:
+    transformers is not imported."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    classes = {type(m) for m in model.modules() if type(m).__name__ in names}
+    return wrap.by_type(*sorted(classes, key=lambda c: c.__name__)) if classes else wrap.auto()
 
 
 def parameter_names(module: nn.Module) -> dict[int, str]:
@@ -115,6 +124,7 @@ def restore_rest(state: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]
 
 __all__ = [
     "is_sharded",
+    "no_split_policy",
     "parameter_names",
     "references_fragments",
     "repoint_optimizer",

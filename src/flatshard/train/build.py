@@ -67,6 +67,14 @@ def build_model(cfg: TrainConfig, env: Env) -> GPT:
     Built directly on the device: ``fs.shard`` takes a materialised model and keeps 1/world of
     it per rank, so the full model exists once per rank for a moment (fine for these presets).
     """
+    mesh = _hybrid_mesh(env) if cfg.parallel.strategy == "hybrid_shard" else None
+    if cfg.model.hf:  # a transformers model: built on meta, sharded, weights read sliced
+        from flatshard.train.hf_model import build_hf_model
+
+        return build_hf_model(
+            cfg.model.hf, cfg.seed, cfg.data.seq_len, strategy=cfg.parallel.strategy,
+            mixed_precision=mixed_precision(cfg), mesh=mesh, timeout_s=cfg.parallel.timeout_s,
+        )  # fmt: skip
     torch.manual_seed(cfg.seed)
     if env.device.type == "cpu":
         # no ``with device:`` here: that mode sends nn.init through torch._refs, whose first
@@ -80,7 +88,7 @@ def build_model(cfg: TrainConfig, env: Env) -> GPT:
         policy=fs.wrap.by_type(Block),
         strategy=cfg.parallel.strategy,
         mixed_precision=mixed_precision(cfg),
-        mesh=_hybrid_mesh(env) if cfg.parallel.strategy == "hybrid_shard" else None,
+        mesh=mesh,
         timeout_s=cfg.parallel.timeout_s,
     )
 

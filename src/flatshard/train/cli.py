@@ -117,7 +117,12 @@ def _precheck(cfg: TrainConfig, resume: bool) -> None:
     from flatshard.train.data import read_documents
     from flatshard.train.resolve import gpt_config, mixed_precision
 
-    gpt_config(cfg)  # a shape the GPT cannot build (n_heads not dividing d_model, ...)
+    if cfg.model.hf:  # a missing directory or config.json: one clear line, before any spawn
+        from flatshard.train.hf_model import check_hf_dir
+
+        check_hf_dir(cfg.model.hf)
+    else:
+        gpt_config(cfg)  # a shape the GPT cannot build (n_heads not dividing d_model, ...)
     if resume and not cfg.checkpoint.enabled:
         raise ValueError("--resume needs checkpoints, but checkpoint.enabled=false; enable them")
     if cfg.checkpoint.enabled and not resume:

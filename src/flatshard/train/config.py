@@ -59,7 +59,8 @@ def _choice(where: str, value: str, choices: tuple[str, ...]) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The reference GPT (``flatshard.models``): a named preset, optionally reshaped."""
+    """The reference GPT (``flatshard.models``): a named preset, optionally reshaped; or any
+    transformers causal LM (``hf``)."""
 
     preset: str = "tiny"
     """GPT preset: tiny (CPU demo), small, medium, large, 1b (see docs/data_and_model.md)."""
@@ -75,6 +76,10 @@ class ModelConfig:
     """MLP hidden width; 0 = the preset's (8/3 d_model rounded to 64 for SwiGLU)."""
     dropout: float = 0.0
     """Dropout on embeddings and residual branches (0 = off, the usual for pre-training)."""
+    hf: str = ""
+    """A transformers causal LM instead of the GPT: a directory with a config.json (random
+    init) or a save_pretrained directory (its weights); "" = the GPT. Local files only. The
+    GPT's shape fields are then ignored (see docs/trainer.md)."""
 
     def __post_init__(self) -> None:
         from flatshard.models import PRESETS  # light: no torch work at import
@@ -83,6 +88,8 @@ class ModelConfig:
         for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
             _int(f"model.{name}", getattr(self, name), 0)
         _float("model.dropout", self.dropout, 0.0, 0.99)
+        if not isinstance(self.hf, str):
+            raise TypeError(f"model.hf={self.hf!r} must be a directory path (a string)")
 
 
 @dataclass(frozen=True)

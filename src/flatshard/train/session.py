@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import flatshard as fs
+from flatshard.train import hf_model
 from flatshard.train.build import (
     Env,
     build_model,
@@ -100,7 +102,8 @@ def setup(cfg: TrainConfig, env: Env, resume: bool) -> tuple[Run, str | None]:
         scheduler=build_scheduler(optimizer, cfg.optim), corpus=corpus, sampler=sampler,
         stream=None, val_steps=validation_steps(corpus.val, cfg.data, rank=env.rank,
                                                 world=env.world, count=cfg.log.val_batches),
-        ckpt=ckpt, log=None, flops_per_token=model.flops_per_token(corpus.attention_length),
+        ckpt=ckpt, log=None,
+        flops_per_token=hf_model.flops_per_token(model, corpus.attention_length),
         peak_flops=peak_flops(env.device),
     )  # fmt: skip
     return run, start
@@ -177,12 +180,18 @@ def _header(run: Run) -> str:
     return "\n".join([
         f"flatshard train: {env.world} rank(s), {cfg.parallel.backend} on {env.device.type}, "
         f"{cfg.parallel.strategy}, {cfg.precision.param_dtype}",
-        f"  model: {cfg.model.preset} GPT, {run.model.num_params():,} parameters",
+        f"  model: {_model_name(run)}, {hf_model.num_params(run.model):,} parameters",
         f"  data: {corpus.source}: {len(corpus.train):,} training pieces, "
         f"{len(corpus.val):,} validation; {'packed' if d.packing else 'padded'} rows of "
         f"{d.seq_len} tokens, {tokens:,} token slots per step",
         f"  out: {cfg.out}",
     ])  # fmt: skip
+
+
+def _model_name(run: Run) -> str:
+    if run.cfg.model.hf:
+        return f"{type(run.model).__name__} from {run.cfg.model.hf}"
+    return f"{run.cfg.model.preset} GPT"
 
 
 def _open_log(run: Run, first_step: int) -> MetricsLog:
@@ -205,6 +214,8 @@ def _finish(run: Run) -> dict[str, Any] | None:
     text = sample_text(run) if run.cfg.log.sample_tokens else ""
     if run.ckpt is not None:
         run.ckpt.wait()
+    if run.cfg.model.hf:  # the final weights as a from_pretrained directory (collective)
+        fs.save_pretrained(run.model, run.out / "hf")
     if run.log is None:
         return None
     rows = run.log.rows
@@ -219,6 +230,7 @@ def _finish(run: Run) -> dict[str, Any] | None:
     run.say(
         f"wrote {run.out}/metrics.jsonl, loss.png, memory.png, config.toml"
         + (", checkpoints/" if run.ckpt is not None else "")
+        + (", hf/ (from_pretrained)" if run.cfg.model.hf else "")
     )
     return {
         "steps": last["step"],

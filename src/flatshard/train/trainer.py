@@ -24,6 +24,7 @@ import torch.distributed as dist
 import flatshard as fs
 from flatshard.models import GPT
 from flatshard.packing import PackedBatch, global_token_count, packed_cross_entropy
+from flatshard.train import hf_model
 from flatshard.train.build import Env
 from flatshard.train.config import TrainConfig
 from flatshard.train.data import TOKENIZER, Corpus, to_batch
@@ -74,7 +75,7 @@ def train_step(run: Run, batches: list[PackedBatch]) -> dict[str, float]:
     targets = global_token_count([b.labels for b in batches])  # one all-reduce, all ranks
     stats = torch.zeros(2, device=run.env.device)  # [loss, real tokens]; no host sync per batch
     for b in batches:  # the same count on every rank
-        logits = run.model(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen)  # [R, T, V]
+        logits = hf_model.logits(run.model, b)  # [R, T, V]
         loss = packed_cross_entropy(logits, b.labels, targets, world_size=world)
         loss.backward()
         stats[0] += loss.detach().float()
@@ -115,7 +116,7 @@ def evaluate(run: Run) -> float | None:
     totals = torch.zeros(2, device=run.env.device)  # [token-loss sum, target count]
     for indices in run.val_steps:  # the same count on every rank
         b = to_batch(run.corpus.val, indices, run.cfg.data, run.env.device)
-        logits = run.model(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen)
+        logits = hf_model.logits(run.model, b)
         totals[0] += GPT.loss(logits, b.labels, reduction="sum")
         totals[1] += b.num_targets
     run.model.train()
@@ -132,7 +133,7 @@ def sample_text(run: Run) -> str:
     ids = torch.tensor(TOKENIZER.encode(log.sample_prompt, add_eos=False), device=device)
     gen = torch.Generator(device=device).manual_seed(run.cfg.seed)
     run.model.eval()
-    out = run.model.generate(ids, log.sample_tokens, temperature=0.8, top_k=20, generator=gen)
+    out = hf_model.generate(run.model, ids, log.sample_tokens, 0.8, 20, gen)
     run.model.train()
     out_ids = out.tolist()
     if TOKENIZER.eos_id in out_ids[len(ids) :]:  # cut at the first end-of-document

@@ -22,23 +22,15 @@ import transformers
 from torch import nn
 
 from ... import checkpoint as fs_checkpoint
-from ... import wrap
 from ...grad_norm import clip_grad_norm_
 from ...introspect import is_sharded
 from ...precision import MixedPrecision
 from .. import common
+from ..common import no_split_policy
 from .wrapper import ShardedModel
 
 FLATSHARD_DIR = "flatshard"
 SCHEDULER_NAME = "scheduler.pt"
-
-
-def no_split_policy(model: nn.Module) -> Any:
-    """``fs.wrap.by_type`` of the model's ``_no_split_modules`` classes (its decoder layers),
-    or ``fs.wrap.auto()`` when it names none that it contains."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    classes = {type(m) for m in model.modules() if type(m).__name__ in names}
-    return wrap.by_type(*sorted(classes, key=lambda c: c.__name__)) if classes else wrap.auto()
 
 
 class FlatshardTrainerMixin:
