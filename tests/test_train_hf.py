@@ -85,3 +85,28 @@ def test_a_missing_directory_is_one_clear_error(tmp_path):
     assert proc.returncode != 0
     assert "no config.json" in proc.stderr + proc.stdout
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
+def test_packed_rows_do_not_attend_across_documents(tmp_path, arch):
+    """What --model.hf relies on: position_ids that restart per document (no attention mask,
+    no KV cache) make transformers build a block-diagonal causal mask."""
+    from collections import namedtuple
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from flatshard.train import hf_model
+
+    Packed = namedtuple("Packed", "input_ids position_ids")  # the fields logits() reads
+
+    config = AutoConfig.from_pretrained(_configs(tmp_path)[arch])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    a, b = torch.randint(0, 258, (1, 5)), torch.randint(0, 258, (1, 7))
+    packed = torch.cat([a, b], dim=1)
+    positions = torch.cat([torch.arange(5), torch.arange(7)])[None]
+    with torch.no_grad():
+        together = hf_model.logits(model, Packed(packed, positions))
+        alone = torch.cat([model(input_ids=a).logits, model(input_ids=b).logits], dim=1)
+    assert (together - alone).abs().max().item() < 1e-5

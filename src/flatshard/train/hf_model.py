@@ -5,9 +5,10 @@
 device and sharded unit by unit (the policy: its ``_no_split_modules`` classes; the init: its
 own ``_init_weights``), so it never exists in full on any rank; weights are then read
 rank-sliced (``fs.load``: each rank reads only its fragments). Local files only, never a
-download. Packed rows pass ``position_ids`` and no attention mask: transformers' masking
-turns position resets into a block-diagonal causal mask, so documents never attend across
-each other. Tokens are the trainer's byte tokens (ids < 258): the vocabulary must hold them.
+download. Packed rows pass ``position_ids``, no attention mask and ``use_cache=False``:
+transformers' masking then turns position resets into a block-diagonal causal mask, so
+documents never attend across each other (with a KV cache it would not). Tokens are the
+trainer's byte tokens (ids < 258): the vocabulary must hold them.
 """
 
 from __future__ import annotations
@@ -81,7 +82,9 @@ def is_hf(model: nn.Module) -> bool:
 def logits(model: nn.Module, b: PackedBatch) -> torch.Tensor:
     """``[rows, seq_len, vocab]`` logits of a packed micro-batch, for the GPT or an HF model."""
     if is_hf(model):
-        return model(input_ids=b.input_ids, position_ids=b.position_ids).logits
+        # no KV cache: transformers builds the packed (block-diagonal) mask only without one
+        out = model(input_ids=b.input_ids, position_ids=b.position_ids, use_cache=False)
+        return out.logits
     return model(b.input_ids, b.position_ids, b.cu_seqlens, b.max_seqlen)
 
 
