@@ -13,7 +13,10 @@ read is the ratio; absolute MB/s on this shared box are disk-cache noise. ``flat
 is the time ``fs.save(async_=True)`` blocks the training loop (the snapshot), ``fsdp2_async``
 the time ``dcp.async_save`` does (its staging copy); each write is waited for after it.
 ``readback`` is fs.save as it was before it hashed while writing (files hashed by reading them
-back after DCP wrote them), for a before/after comparison in the same run.
+back after DCP wrote them), for a before/after comparison in the same run. The ``writers``
+rows then time the DCP writers alone (no model, no commit): DCP's without a hash, with the
+files read back to hash them, hashing while writing, and that plus starting each block's
+writeback (what fs.save does).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import flatshard as fs
 import flatshard.checkpoint as ckpt
 from flatshard.bench import AnchorBlock as Block
 from flatshard.bench import AnchorGPT as GPT
+from flatshard.checkpoint import digest_writer
 from flatshard.checkpoint.digest_writer import DigestWriter
 from flatshard.checkpoint.safety import describe_file
 
@@ -157,6 +161,43 @@ def run(args: argparse.Namespace) -> dict:
     return summarize(times, cpu, sizes)
 
 
+WRITERS = ("dcp_no_hash", "read_back", "while_writing", "while_writing_writeback")
+
+
+def write_with(writer: str, state: dict, path: Path) -> None:
+    """This rank writes ``state`` alone (``no_dist``) through ``writer``, hashing as it says."""
+    w = ReadBackWriter(path) if writer in ("dcp_no_hash", "read_back") else DigestWriter(path)
+    kick = digest_writer._sync_file_range
+    if writer == "while_writing":
+        digest_writer._sync_file_range = lambda: None  # no writeback started per block
+    try:
+        dcp.save(state, storage_writer=w, no_dist=True)
+    finally:
+        digest_writer._sync_file_range = kick
+    if writer != "dcp_no_hash":
+        w.data_files(path, 0)
+
+
+def writer_rounds(args: argparse.Namespace) -> dict:
+    """The writers alone: every rank writes ``--writer-mb`` of fp32 tensors (4 MB each) into
+    its own directory at the same time; wall time and CPU of the slowest rank."""
+    root, rank = Path(args.dir), dist.get_rank()
+    numel = min(1 << 20, max(1, args.writer_mb * (1 << 18)))
+    state = {f"t{i}": torch.randn(numel) for i in range(max(1, args.writer_mb // 4))}
+    times: dict[str, list[float]] = {k: [] for k in WRITERS}
+    cpu: dict[str, list[float]] = {k: [] for k in WRITERS}
+    for i in range(args.rounds + 1):
+        for writer in WRITERS[i % 4 :] + WRITERS[: i % 4]:
+            path = root / f"writer_{writer}_{rank}"
+            wall, used = timed(write_with, writer, state, path)
+            shutil.rmtree(path, ignore_errors=True)
+            if i > 0:
+                times[writer].append(wall)
+                cpu[writer].append(used)
+    med = {k: (statistics.median(times[k]), statistics.median(cpu[k])) for k in WRITERS}
+    return {"writer_mb": sum(t.nbytes for t in state.values()) / 1e6, "median_wall_cpu_s": med}
+
+
 def _cleanup(path: Path) -> None:
     dist.barrier()
     if dist.get_rank() == 0:
@@ -198,6 +239,10 @@ def report(out: dict, args: argparse.Namespace) -> None:
             print(f"  {op}: flatshard MB/s / fsdp2 MB/s = {1 / ratio:.2f}x (time {ratio:.2f}x)")
     ratio = out["ratio_readback_over_fsdp2_save_time"]
     print(f"  save, hashing by reading back: MB/s / fsdp2's = {1 / ratio:.2f}x (time {ratio:.2f}x)")
+    writers = out["writers"]
+    print(f"  writers alone, {writers['writer_mb']:.0f} MB per rank, every rank at once:")
+    for writer, (wall, cpu) in writers["median_wall_cpu_s"].items():
+        print(f"    {writer:24} {wall * 1e3:7.0f} ms   cpu {cpu * 1e3:6.0f} ms")
 
 
 def main() -> None:
@@ -208,12 +253,14 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--writer-mb", type=int, default=200, help="per rank, for the writer rows")
     p.add_argument("--dir", default="/tmp/flatshard_ckpt_bench")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     out = run(args)
+    out["writers"] = writer_rounds(args)
     if dist.get_rank() == 0:
         report(out, args)
         if args.json:

@@ -18,7 +18,10 @@ TINY = ["--dim", "32", "--layers", "1", "--heads", "2", "--vocab", "64"]
 
 SCRIPTS = {
     "bench_step.py": (TORCHRUN, [*TINY, "--steps", "3", "--batch", "1", "--seq", "16"]),
-    "bench_checkpoint.py": (TORCHRUN, [*TINY, "--rounds", "1", "--seq", "8", "--dir", "{tmp}"]),
+    "bench_checkpoint.py": (
+        TORCHRUN,
+        [*TINY, "--rounds", "1", "--seq", "8", "--writer-mb", "1", "--dir", "{tmp}"],
+    ),
     "bench_compile.py": (
         TORCHRUN,
         [*TINY, "--steps", "3", "--batch", "1", "--seq", "16", "--backend", "aot_eager"],
