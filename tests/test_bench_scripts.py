@@ -35,6 +35,23 @@ SCRIPTS = {
     "bench_pretrained_load.py": ([sys.executable], [*TINY, "--worlds", "1", "--dir", "{tmp}/w"]),
     "parity_report.py": ([sys.executable], ["--cases", "gpt_tied", "--worlds", "2"]),
     "bench_muon.py": (TORCHRUN, [*TINY, "--rounds", "1", "--seq", "8"]),
+    "bench_integrations.py": (
+        TORCHRUN,
+        [
+            "--rounds",
+            "1",
+            "--steps",
+            "3",
+            "--dim",
+            "16",
+            "--layers",
+            "1",
+            "--seq",
+            "8",
+            "--out",
+            "{tmp}",
+        ],
+    ),
     "gpu_check.sh": (["bash"], ["{tmp}"]),
 }
 

@@ -17,6 +17,7 @@ import pytest
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
+pytest.importorskip("trl")
 
 SCRIPT = Path(__file__).parent / "integrations" / "hf_run.py"
 TOL = 1e-5
@@ -68,3 +69,9 @@ def test_gradient_checkpointing_and_bf16(ranks):
     for res in ranks:
         assert worst(res["flat"][:4], res["gc"]) <= 1e-6
         assert worst(res["ddp_bf16"], res["flat_bf16"]) <= 5e-3
+
+
+def test_trl_sft_trainer_with_the_mixin_equals_ddp(ranks):
+    for res in ranks:
+        assert len(res["sft_ddp"]) == 6
+        assert worst(res["sft_ddp"], res["sft_flat"]) <= TOL

@@ -81,6 +81,49 @@ def run(cls, out: Path, resume: str | None = None, **kwargs) -> tuple[list[float
     return losses(trainer), trainer
 
 
+def word_tokenizer():
+    """A word-level tokenizer built in code (TRL's SFTTrainer wants one; nothing downloaded)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(60)} | {"<pad>": 60, "<eos>": 61, "<unk>": 62}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
+
+
+def sft_losses(out: Path) -> tuple[list[float], list[float]]:
+    """TRL's SFTTrainer (text dataset, its own tokenisation and collator) under DDP and as
+    ``class FlatshardSFTTrainer(FlatshardTrainerMixin, SFTTrainer)``."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from flatshard.integrations.transformers import FlatshardTrainerMixin
+
+    class FlatshardSFTTrainer(FlatshardTrainerMixin, SFTTrainer):
+        pass
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(4, 12, (64,), generator=g).tolist()
+    texts = [
+        " ".join(f"w{int(t)}" for t in torch.randint(0, 60, (n,), generator=g)) for n in lengths
+    ]
+    results = []
+    for name, cls in (("sft_ddp", SFTTrainer), ("sft_flat", FlatshardSFTTrainer)):
+        args = SFTConfig(
+            output_dir=str(out / name), max_steps=6, per_device_train_batch_size=2,
+            learning_rate=3e-3, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+            seed=0, max_length=16, disable_tqdm=True, bf16=False,
+        )  # fmt: skip
+        trainer = cls(model=model(), args=args, train_dataset=Dataset.from_dict({"text": texts}),
+                      processing_class=word_tokenizer())  # fmt: skip
+        trainer.train()
+        results.append(losses(trainer))
+    return results[0], results[1]
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
@@ -103,6 +146,7 @@ def main() -> None:
     res["gc"], _ = run(FlatshardTrainer, out / "gc", steps=4, gradient_checkpointing=True)
     res["ddp_bf16"], _ = run(Trainer, out / "ddpbf16", steps=4, bf16=True)
     res["flat_bf16"], _ = run(FlatshardTrainer, out / "flatbf16", steps=4, bf16=True)
+    res["sft_ddp"], res["sft_flat"] = sft_losses(out)
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(res))
 
 
