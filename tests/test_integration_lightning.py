@@ -84,3 +84,10 @@ def test_fabric_equals_ddp_and_resumes(ranks):
         assert len(f["ddp"]) == 12  # 6 steps x 2 micro-batches under no_backward_sync
         assert worst(f["ddp"], f["flat"]) <= TOL, rank
         assert worst(f["flat"][6:], f["resumed"]) <= TOL, rank
+
+
+def test_fabric_init_module_on_meta(ranks):
+    for res in ranks:
+        meta = res["fabric"]["meta"]
+        assert meta["built_on_meta"] and meta["materialised"] and meta["finite"]
+        assert 3.0 < meta["loss"] < 5.0  # ln(64) = 4.16 at init

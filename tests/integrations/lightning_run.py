@@ -174,9 +174,30 @@ def fabric_losses(strategy, steps: int, out: Path, accumulate: int = 1, resume: 
     return losses
 
 
+def fabric_meta_init() -> dict:
+    """``fabric.init_module(empty_init=True)``: built on meta, materialised unit by unit."""
+    strategy = FabricFlatshardStrategy(policy=fs.wrap.by_type(Block), timeout=TIMEOUT)
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = GPT(CFG)
+    on_meta = all(p.device.type == "meta" for p in model.parameters())
+    model = fabric.setup_module(model)
+    x, y = next(iter(loader()))
+    logits = model(x)
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+    return {
+        "built_on_meta": on_meta,
+        "materialised": all(p.device.type == "cpu" for p in model.parameters()),
+        "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+        "loss": loss.item(),
+    }
+
+
 def case_fabric(out: Path) -> dict:
     fab = FabricFlatshardStrategy(policy=fs.wrap.by_type(Block), timeout=TIMEOUT)
     return {
+        "meta": fabric_meta_init(),
         "ddp": fabric_losses("ddp", 6, out, accumulate=2),
         "flat": fabric_losses(fab, 6, out, accumulate=2),
         "resumed": fabric_losses(
