@@ -33,11 +33,29 @@ def _losses(out: Path) -> list[float]:
     return [r["loss"] for r in rows]
 
 
+def _bpe_tokenizer():
+    """A byte-level BPE of 300 ids trained in code on the embedded corpus (no download)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from flatshard.data import embedded_documents
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<eos>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    tok.train_from_iterator(embedded_documents()[:300], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
+
+
 def _configs(root: Path) -> dict[str, Path]:
     from transformers import GPT2Config, Qwen2Config
 
     qwen = Qwen2Config(
-        vocab_size=264, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
     )  # fmt: skip
     gpt2 = GPT2Config(vocab_size=264, n_embd=32, n_layer=2, n_head=2, n_positions=64)
@@ -45,6 +63,7 @@ def _configs(root: Path) -> dict[str, Path]:
     for name, config in (("qwen2", qwen), ("gpt2", gpt2)):
         config.save_pretrained(root / name)
         dirs[name] = root / name
+    _bpe_tokenizer().save_pretrained(root / "qwen2")  # Qwen2 trains on its own tokenizer
     return dirs
 
 
@@ -71,12 +90,17 @@ def test_pretraining_from_a_config_lowers_the_loss(runs, name):
     assert losses[-1] < losses[0] - 0.5, losses
     assert "ForCausalLM" in stdout or "LMHeadModel" in stdout  # the header names the model
     assert (out / "hf" / "config.json").is_file() and (out / "hf" / "model.safetensors").is_file()
+    # Qwen2's directory has a tokenizer: the run uses it and exports it; GPT-2's has none
+    assert ("Tokenizer from" in stdout) == (name == "qwen2")
+    assert ("byte tokens" in stdout) == (name == "gpt2")
+    assert (out / "hf" / "tokenizer.json").is_file() == (name == "qwen2")
 
 
 def test_finetuning_starts_from_the_saved_weights(runs):
     _, pretrain, _ = runs["qwen2"]
     _, tuned, _ = runs["finetune"]
-    # a fresh init starts at ~ln(264) = 5.6; the loaded weights where pretraining ended
+    # a fresh init starts at ~ln(320) = 5.8; the loaded weights (and the exported tokenizer)
+    # where pretraining ended
     assert tuned[0] < pretrain[0] - 0.5, (tuned, pretrain)
 
 
@@ -101,6 +125,7 @@ def test_packed_rows_do_not_attend_across_documents(tmp_path, arch):
     Packed = namedtuple("Packed", "input_ids position_ids")  # the fields logits() reads
 
     config = AutoConfig.from_pretrained(_configs(tmp_path)[arch])
+    config.vocab_size = 300
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     a, b = torch.randint(0, 258, (1, 5)), torch.randint(0, 258, (1, 7))

@@ -61,7 +61,7 @@ def init_distributed(backend: str, timeout_s: float) -> Env:
     return Env(dist.get_rank(), world, local_world, device)
 
 
-def build_model(cfg: TrainConfig, env: Env) -> GPT:
+def build_model(cfg: TrainConfig, env: Env, vocab_needed: int = 258) -> GPT:
     """The GPT, initialised identically on every rank from ``cfg.seed``, sharded by Block.
 
     Built directly on the device: ``fs.shard`` takes a materialised model and keeps 1/world of
@@ -72,7 +72,8 @@ def build_model(cfg: TrainConfig, env: Env) -> GPT:
         from flatshard.train.hf_model import build_hf_model
 
         return build_hf_model(
-            cfg.model.hf, cfg.seed, cfg.data.seq_len, strategy=cfg.parallel.strategy,
+            cfg.model.hf, cfg.seed, cfg.data.seq_len, vocab_needed,
+            strategy=cfg.parallel.strategy,
             mixed_precision=mixed_precision(cfg), mesh=mesh, timeout_s=cfg.parallel.timeout_s,
         )  # fmt: skip
     torch.manual_seed(cfg.seed)

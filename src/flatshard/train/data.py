@@ -1,4 +1,8 @@
-"""The trainer's data pipeline: documents -> byte tokens -> packed, rank-balanced micro-batches.
+"""The trainer's data pipeline: documents -> tokens -> packed, rank-balanced micro-batches.
+
+Tokens are bytes (``TOKENIZER``) unless the run passes another tokenizer with the same small
+interface (``encode``, ``encode_documents``, ``decode``, ``eos_id``, ``pad_id``,
+``vocab_size``): ``--model.hf`` uses the model directory's own (``train/hf_model.py``).
 
 Every rank loads and tokenizes the same documents (the embedded corpus is cached on disk, user
 files are read again) and builds the same :class:`~flatshard.packing.PackedBatchSampler`; the
@@ -11,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -34,6 +39,8 @@ class Corpus:
     """Validation pieces (empty when there is nothing to hold out)."""
     source: str
     """Where the text came from, for the log."""
+    tokenizer: Any = TOKENIZER
+    """What made the tokens (and decodes them): the byte tokenizer, or a model's."""
 
     @property
     def attention_length(self) -> int:
@@ -52,15 +59,15 @@ def read_documents(cfg: DataConfig) -> tuple[list[str], str]:
     return found.documents, f"{cfg.path} ({len(found.files)} file(s){note})"
 
 
-def tokenized_pieces(texts: list[str], seq_len: int) -> Docs:
-    """Byte tokens (+ eos) of every text, long ones cut into pieces of at most ``seq_len``."""
-    encoded = TOKENIZER.encode_documents(texts)
+def tokenized_pieces(texts: list[str], seq_len: int, tokenizer: Any = TOKENIZER) -> Docs:
+    """Tokens (+ eos) of every text, long ones cut into pieces of at most ``seq_len``."""
+    encoded = tokenizer.encode_documents(texts)
     chunks = split_long_documents([len(d) for d in encoded], seq_len)
     # a 1-token piece (a lone eos after a cut) has no target: drop it
     return [p for c in chunks if len(p := encoded[c.doc][c.start : c.end]) > 1]
 
 
-def load_corpus(cfg: DataConfig) -> Corpus:
+def load_corpus(cfg: DataConfig, tokenizer: Any = TOKENIZER) -> Corpus:
     """Read, split and tokenize the documents.
 
     The split hashes each text (seed 0, whatever the run's seed, so validation losses of runs
@@ -69,11 +76,13 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     """
     texts, source = read_documents(cfg)
     if len(texts) == 1:
-        pieces = tokenized_pieces(texts, cfg.seq_len)
+        pieces = tokenized_pieces(texts, cfg.seq_len, tokenizer)
         n_val = math.ceil(cfg.val_fraction * len(pieces)) if len(pieces) > 1 else 0
-        return Corpus(pieces[: len(pieces) - n_val], pieces[len(pieces) - n_val :], source)
+        cut = len(pieces) - n_val
+        return Corpus(pieces[:cut], pieces[cut:], source, tokenizer)
     train, val = train_val_split(texts, val_fraction=cfg.val_fraction)
-    return Corpus(tokenized_pieces(train, cfg.seq_len), tokenized_pieces(val, cfg.seq_len), source)
+    pieces = [tokenized_pieces(part, cfg.seq_len, tokenizer) for part in (train, val)]
+    return Corpus(pieces[0], pieces[1], source, tokenizer)
 
 
 def make_sampler(
@@ -99,11 +108,15 @@ def make_sampler(
 
 
 def to_batch(
-    pieces: Docs, indices: list[int], cfg: DataConfig, device: torch.device
+    pieces: Docs,
+    indices: list[int],
+    cfg: DataConfig,
+    device: torch.device,
+    pad_id: int = TOKENIZER.pad_id,
 ) -> PackedBatch:
     """One fixed-shape micro-batch ``[rows, seq_len]`` (all padding when ``indices`` is empty)."""
     docs = [pieces[i] for i in indices]
-    return collate(docs, cfg.seq_len, pad_id=TOKENIZER.pad_id, rows=cfg.rows).to(device)
+    return collate(docs, cfg.seq_len, pad_id=pad_id, rows=cfg.rows).to(device)
 
 
 def endless(sampler: PackedBatchSampler) -> Iterator[list[list[int]]]:

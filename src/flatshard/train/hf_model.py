@@ -7,8 +7,10 @@ own ``_init_weights``), so it never exists in full on any rank; weights are then
 rank-sliced (``fs.load``: each rank reads only its fragments). Local files only, never a
 download. Packed rows pass ``position_ids``, no attention mask and ``use_cache=False``:
 transformers' masking then turns position resets into a block-diagonal causal mask, so
-documents never attend across each other (with a KV cache it would not). Tokens are the
-trainer's byte tokens (ids < 258): the vocabulary must hold them.
+documents never attend across each other (with a KV cache it would not). Tokens come from
+the directory's own tokenizer when it has one (``tokenizer.json`` / ``tokenizer_config.json``:
+fine-tuning a model in its own vocabulary); otherwise they are the trainer's byte tokens
+(ids < 258), which the vocabulary must hold.
 """
 
 from __future__ import annotations
@@ -19,11 +21,52 @@ import torch
 from torch import nn
 
 import flatshard as fs
-from flatshard.data.tokenizer import ByteTokenizer
 from flatshard.integrations.common import no_split_policy
 from flatshard.packing import PackedBatch
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+class HFTokenizer:
+    """A transformers tokenizer behind the trainer's tokenizer interface (``train/data.py``):
+    no special tokens added, ``eos_id`` appended per document, ``pad_id`` = its pad token
+    (or eos: padded positions carry no target either way)."""
+
+    def __init__(self, path: Path) -> None:
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        if self.tok.eos_token_id is None:
+            raise ValueError(
+                f"model.hf={str(path)!r}: its tokenizer has no eos token, which separates the "
+                "packed documents; set eos_token in its tokenizer_config.json"
+            )
+        self.eos_id = int(self.tok.eos_token_id)
+        pad = self.tok.pad_token_id
+        self.pad_id = int(pad) if pad is not None else self.eos_id
+        self.vocab_size = len(self.tok)
+        self.name = f"{type(self.tok).__name__} from {path}"
+
+    def encode(self, text: str, add_eos: bool = True) -> list[int]:
+        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        return [*ids, self.eos_id] if add_eos else list(ids)
+
+    def encode_documents(self, docs, *, add_eos: bool = True) -> list[list[int]]:
+        batch = self.tok(list(docs), add_special_tokens=False)["input_ids"]
+        return [[*ids, self.eos_id] if add_eos else list(ids) for ids in batch]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids)
+
+
+def tokenizer_for(path: str):
+    """The run's tokenizer: ``path``'s own if it has one, else the byte tokenizer."""
+    from flatshard.train.data import TOKENIZER
+
+    if path and any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        return HFTokenizer(Path(path))
+    return TOKENIZER
 
 
 def check_hf_dir(path: str) -> Path:
@@ -42,13 +85,15 @@ def has_weights(path: Path) -> bool:
     return any((path / name).is_file() for name in WEIGHT_FILES)
 
 
-def build_hf_model(path: str, seed: int, seq_len: int, **shard_kwargs) -> nn.Module:
+def build_hf_model(
+    path: str, seed: int, seq_len: int, vocab_needed: int, **shard_kwargs
+) -> nn.Module:
     """The sharded transformers model, initialised identically on every rank."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     where = check_hf_dir(path)
     config = AutoConfig.from_pretrained(where, local_files_only=True)
-    _check_fits(config, path, seq_len)
+    _check_fits(config, path, seq_len, vocab_needed)
     torch.manual_seed(seed)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -58,12 +103,13 @@ def build_hf_model(path: str, seed: int, seq_len: int, **shard_kwargs) -> nn.Mod
     return model
 
 
-def _check_fits(config, path: str, seq_len: int) -> None:
-    vocab, needed = getattr(config, "vocab_size", 0), ByteTokenizer().vocab_size
+def _check_fits(config, path: str, seq_len: int, needed: int) -> None:
+    vocab = getattr(config, "vocab_size", 0)
     if vocab < needed:
         raise ValueError(
-            f"model.hf={path!r} has vocab_size={vocab}, below the trainer's {needed} byte "
-            f"tokens; use a config with vocab_size >= {needed}"
+            f"model.hf={path!r} has vocab_size={vocab}, below the {needed} ids of its tokens "
+            f"(its tokenizer's, or the trainer's bytes when the directory has none); use a "
+            f"config with vocab_size >= {needed}"
         )
     positions = getattr(config, "max_position_embeddings", None) or getattr(
         config, "n_positions", 0

@@ -79,8 +79,8 @@ def _start_point(cfg: TrainConfig, ckpt: CheckpointManager | None, resume: bool)
 
 def setup(cfg: TrainConfig, env: Env, resume: bool) -> tuple[Run, str | None]:
     """Build the run on this worker; returns it and the checkpoint to resume from."""
-    corpus = load_corpus(cfg.data)
-    model = build_model(cfg, env)
+    corpus = load_corpus(cfg.data, hf_model.tokenizer_for(cfg.model.hf))
+    model = build_model(cfg, env, corpus.tokenizer.vocab_size)
     # identical init everywhere, then a per-rank stream: dropout masks differ between ranks
     torch.manual_seed(cfg.seed * 1_000_003 + 1 + env.rank)
     optimizer = build_optimizer(model, cfg.optim)
@@ -181,11 +181,15 @@ def _header(run: Run) -> str:
         f"flatshard train: {env.world} rank(s), {cfg.parallel.backend} on {env.device.type}, "
         f"{cfg.parallel.strategy}, {cfg.precision.param_dtype}",
         f"  model: {_model_name(run)}, {hf_model.num_params(run.model):,} parameters",
-        f"  data: {corpus.source}: {len(corpus.train):,} training pieces, "
+        f"  data: {corpus.source}, {_tokens_of(corpus)}: {len(corpus.train):,} training pieces, "
         f"{len(corpus.val):,} validation; {'packed' if d.packing else 'padded'} rows of "
         f"{d.seq_len} tokens, {tokens:,} token slots per step",
         f"  out: {cfg.out}",
     ])  # fmt: skip
+
+
+def _tokens_of(corpus) -> str:
+    return getattr(corpus.tokenizer, "name", "byte tokens")
 
 
 def _model_name(run: Run) -> str:
@@ -216,6 +220,9 @@ def _finish(run: Run) -> dict[str, Any] | None:
         run.ckpt.wait()
     if run.cfg.model.hf:  # the final weights as a from_pretrained directory (collective)
         fs.save_pretrained(run.model, run.out / "hf")
+        tok = getattr(run.corpus.tokenizer, "tok", None)  # the model's own tokenizer, if used
+        if tok is not None and run.env.rank == 0:
+            tok.save_pretrained(run.out / "hf")
     if run.log is None:
         return None
     rows = run.log.rows

@@ -27,7 +27,7 @@ from flatshard.packing import PackedBatch, global_token_count, packed_cross_entr
 from flatshard.train import hf_model
 from flatshard.train.build import Env
 from flatshard.train.config import TrainConfig
-from flatshard.train.data import TOKENIZER, Corpus, to_batch
+from flatshard.train.data import Corpus, to_batch
 from flatshard.train.metrics import MetricsLog, peak_memory_mb
 from flatshard.train.plots import write_plots
 
@@ -79,7 +79,7 @@ def train_step(run: Run, batches: list[PackedBatch]) -> dict[str, float]:
         loss = packed_cross_entropy(logits, b.labels, targets, world_size=world)
         loss.backward()
         stats[0] += loss.detach().float()
-        stats[1] += (b.input_ids != TOKENIZER.pad_id).sum()
+        stats[1] += (b.input_ids != run.corpus.tokenizer.pad_id).sum()
     clip = run.cfg.optim.grad_clip
     grad_norm = fs.clip_grad_norm_(run.model, max_norm=clip if clip > 0 else float("inf"))
     # rank r's loss is W * (its token-loss sum) / G, so the global mean is (sum over ranks) / W
@@ -115,7 +115,7 @@ def evaluate(run: Run) -> float | None:
     run.model.eval()
     totals = torch.zeros(2, device=run.env.device)  # [token-loss sum, target count]
     for indices in run.val_steps:  # the same count on every rank
-        b = to_batch(run.corpus.val, indices, run.cfg.data, run.env.device)
+        b = to_batch(run.corpus.val, indices, run.cfg.data, run.env.device, _pad(run))
         logits = hf_model.logits(run.model, b)
         totals[0] += GPT.loss(logits, b.labels, reduction="sum")
         totals[1] += b.num_targets
@@ -130,15 +130,20 @@ def sample_text(run: Run) -> str:
     (identical results) for exactly ``sample_tokens`` forwards: each forward all-gathers."""
     log = run.cfg.log
     device = run.env.device
-    ids = torch.tensor(TOKENIZER.encode(log.sample_prompt, add_eos=False), device=device)
+    tokenizer = run.corpus.tokenizer
+    ids = torch.tensor(tokenizer.encode(log.sample_prompt, add_eos=False), device=device)
     gen = torch.Generator(device=device).manual_seed(run.cfg.seed)
     run.model.eval()
     out = hf_model.generate(run.model, ids, log.sample_tokens, 0.8, 20, gen)
     run.model.train()
     out_ids = out.tolist()
-    if TOKENIZER.eos_id in out_ids[len(ids) :]:  # cut at the first end-of-document
-        out_ids = out_ids[: out_ids.index(TOKENIZER.eos_id, len(ids))]
-    return TOKENIZER.decode(out_ids)
+    if tokenizer.eos_id in out_ids[len(ids) :]:  # cut at the first end-of-document
+        out_ids = out_ids[: out_ids.index(tokenizer.eos_id, len(ids))]
+    return tokenizer.decode(out_ids)
+
+
+def _pad(run: Run) -> int:
+    return run.corpus.tokenizer.pad_id
 
 
 def _row(run: Run, step: int, lr: float, out: dict[str, float], seconds: float) -> dict[str, Any]:
@@ -188,7 +193,8 @@ def train_loop(run: Run, save: Any) -> None:
         lr = run.scheduler.get_last_lr()[0]
         t0 = time.perf_counter()
         batches = [
-            to_batch(run.corpus.train, mb, cfg.data, run.env.device) for mb in next(run.stream)
+            to_batch(run.corpus.train, mb, cfg.data, run.env.device, _pad(run))
+            for mb in next(run.stream)
         ]
         out = train_step(run, batches)
         seconds = time.perf_counter() - t0
