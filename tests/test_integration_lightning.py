@@ -86,6 +86,14 @@ def test_fabric_equals_ddp_and_resumes(ranks):
         assert worst(f["flat"][6:], f["resumed"]) <= TOL, rank
 
 
+def test_trainer_init_module_on_meta(ranks):
+    for res in ranks:
+        meta = res["trainer"]["meta"]
+        assert meta["built_on_meta"] and len(meta["losses"]) == 6
+        # initialised like the eager model (~ln 64 = 4.16 on random tokens), trains finitely
+        assert all(3.8 < loss < 4.6 for loss in meta["losses"]), meta["losses"]
+
+
 def test_fabric_init_module_on_meta(ranks):
     for res in ranks:
         meta = res["fabric"]["meta"]

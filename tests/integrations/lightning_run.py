@@ -108,11 +108,23 @@ def case_trainer(out: Path) -> dict:
     res["ddp_fp16"], _ = fit("ddp", 4, out, plugins=[amp16])
     fp16 = FlatshardPrecision("16-mixed", fs.GradScaler(init_scale=2.0**8))
     res["flat_fp16"], t = fit(flat(), 4, out, plugins=[fp16])
+    res["meta"] = trainer_meta_init(out)
     res["scaler_fp16"] = [
         type(t.precision_plugin.scaler).__name__,
         t.precision_plugin.scaler.get_scale(),
     ]
     return res
+
+
+def trainer_meta_init(out: Path) -> dict:
+    """``trainer.init_module(empty_init=True)``: the LightningModule is built on meta and
+    ``strategy.setup`` materialises it unit by unit (``reset_parameters``)."""
+    t = trainer(flat(), 6, out)
+    with t.init_module(empty_init=True):
+        module = LitGPT()
+    on_meta = all(p.device.type == "meta" for p in module.parameters())
+    t.fit(module, loader())
+    return {"built_on_meta": on_meta, "losses": module.losses}
 
 
 def case_resume(out: Path, state_dict_type: str) -> dict:
