@@ -222,6 +222,7 @@ def main() -> None:
             print(
                 f"{name:12s} {m:8.1f} ms/step (min {min(values):.1f}, max {max(values):.1f}){ratio}"
             )
+    torch.distributed.barrier()  # every rank done before any tears its group down
     torch.distributed.destroy_process_group()
 
 

@@ -127,6 +127,7 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=1)
+    dist.barrier()  # every rank done communicating before any tears its group down
     dist.destroy_process_group()
 
 
