@@ -47,23 +47,34 @@ def lm_loss(logits, y):
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
 
 
+def timed_steps(batches, step, steps: int) -> list[float]:
+    """Seconds of ``step(batch)`` for the first ``steps`` batches, warm-up dropped."""
+    times = []
+    for batch in batches:
+        t0 = time.perf_counter()
+        step(batch)
+        times.append(time.perf_counter() - t0)
+        if len(times) == steps:
+            break
+    return times[WARMUP:]
+
+
+def plain_step(model, opt, loss: torch.Tensor) -> None:
+    """A plain flatshard step: backward, the global clip, the optimizer."""
+    loss.backward()
+    fs.clip_grad_norm_(model, 1.0)
+    opt.step()
+    opt.zero_grad()
+
+
 def plain_gpt(a) -> list[float]:
     torch.manual_seed(0)
     model = fs.shard(GPT(gpt_config(a)), policy=fs.wrap.by_type(Block))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    rank, world, times = torch.distributed.get_rank(), torch.distributed.get_world_size(), []
-    for i, (x, y) in enumerate(data(a)):
-        if i % world != rank:
-            continue  # the rank's share, as a DistributedSampler would deal it
-        t0 = time.perf_counter()
-        lm_loss(model(x), y).backward()
-        fs.clip_grad_norm_(model, 1.0)
-        opt.step()
-        opt.zero_grad()
-        times.append(time.perf_counter() - t0)
-        if len(times) == a.steps:
-            break
-    return times[WARMUP:]
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    # the rank's share, as a DistributedSampler would deal it
+    mine = (b for i, b in enumerate(data(a)) if i % world == rank)
+    return timed_steps(mine, lambda b: plain_step(model, opt, lm_loss(model(b[0]), b[1])), a.steps)
 
 
 def lightning_gpt(a) -> list[float]:
@@ -124,17 +135,14 @@ def fabric_gpt(a) -> list[float]:
     model = GPT(gpt_config(a))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = fabric.setup(model, opt)
-    times = []
-    for x, y in fabric.setup_dataloaders(data(a)):
-        t0 = time.perf_counter()
-        fabric.backward(lm_loss(model(x), y))
+
+    def step(batch) -> None:
+        fabric.backward(lm_loss(model(batch[0]), batch[1]))
         fabric.clip_gradients(model, opt, max_norm=1.0)
         opt.step()
         opt.zero_grad()
-        times.append(time.perf_counter() - t0)
-        if len(times) == a.steps:
-            break
-    return times[WARMUP:]
+
+    return timed_steps(fabric.setup_dataloaders(data(a)), step, a.steps)
 
 
 def llama(a):
@@ -152,16 +160,9 @@ def plain_llama(a) -> list[float]:
     model = llama(a)
     fs.shard(model, policy=no_split_policy(model))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    times = []
-    for _ in range(a.steps):
-        ids = torch.randint(0, 256, (4, a.seq))
-        t0 = time.perf_counter()
-        model(input_ids=ids, labels=ids).loss.backward()
-        fs.clip_grad_norm_(model, 1.0)
-        opt.step()
-        opt.zero_grad()
-        times.append(time.perf_counter() - t0)
-    return times[WARMUP:]
+    batches = (torch.randint(0, 256, (4, a.seq)) for _ in range(a.steps))
+    step = lambda ids: plain_step(model, opt, model(input_ids=ids, labels=ids).loss)  # noqa: E731
+    return timed_steps(batches, step, a.steps)
 
 
 def hf_llama(a, out: str) -> list[float]:

@@ -7,40 +7,21 @@ as for a user's ``train.py``); each test reads what both ranks measured.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from integration_runs import run_world2, worst
+
 pytest.importorskip("lightning", reason="the [lightning] extra is not installed")
 
-SCRIPT = Path(__file__).parent / "integrations" / "lightning_run.py"
 TOL = 1e-5  # fp32: the bar; the runs are in fact bitwise equal today
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("lightning")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    env.pop("LOCAL_RANK", None)  # the script is rank 0 and launches rank 1 itself
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out)],
-        cwd=out,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
-
-
-def worst(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) and a, (len(a), len(b))
-    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+    # the script is rank 0 and starts rank 1 itself, as a user's train.py
+    return run_world2([sys.executable], "lightning_run.py", tmp_path_factory.mktemp("lightning"))
 
 
 def test_trainer_losses_equal_ddp(ranks):

@@ -6,42 +6,20 @@ reads what both ranks measured.
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from integration_runs import run_world2, torchrun, worst
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("trl")
 
-SCRIPT = Path(__file__).parent / "integrations" / "hf_run.py"
 TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("hf")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    with socket.socket() as sock:  # torchrun's default port may be taken by a parallel run
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(port), str(SCRIPT), str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
-
-
-def worst(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) and a, (len(a), len(b))
-    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+    return run_world2(torchrun(), "hf_run.py", tmp_path_factory.mktemp("hf"))
 
 
 def test_losses_and_grad_norms_equal_ddp(ranks):

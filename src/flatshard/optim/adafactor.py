@@ -19,19 +19,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.optim.optimizer import Optimizer, ParamsT
+from torch.optim.optimizer import ParamsT
 
 from .exchange import all_reduce_sum
 from .factored import Rows, factored_variance, partial_sums, update_factors
-from .whole import WholeParam, check_one_model, comm_of, whole_param
+from .whole import WholeParam
+from .whole_optimizer import WholeParamOptimizer
 
 __all__ = ["Adafactor"]
 
 
-class Adafactor(Optimizer):
+class Adafactor(WholeParamOptimizer):
     """``torch.optim.Adafactor`` (same arguments, defaults and math) for a model sharded by
     ``fs.shard`` (or plain tensors). ``foreach`` is accepted for compatibility; the sharded
     step has one implementation."""
+
+    name = "fs.optim.Adafactor"
 
     def __init__(
         self,
@@ -53,21 +56,13 @@ class Adafactor(Optimizer):
             foreach=foreach, maximize=maximize,
         )  # fmt: skip
         super().__init__(params, defaults)
-        every = [p for g in self.param_groups for p in g["params"]]
-        check_one_model(every, "fs.optim.Adafactor")
-        self._comm = comm_of(every)
-        self._wholes: dict[int, WholeParam] = {}
+        self._setup_whole()
 
     @torch.no_grad()
     def step(self, closure=None):
         """One Adafactor step on every parameter that has a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        items = [
-            self._item(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None
-        ]
+        loss = self._run_closure(closure)
+        items = [self._item(p, g) for p, g in self._with_grads()]
         if not items:
             return loss
         group = items[0].whole.group
@@ -84,13 +79,7 @@ class Adafactor(Optimizer):
         return loss
 
     def _item(self, p: torch.Tensor, group: dict[str, Any]) -> _Item:
-        if torch.is_complex(p):
-            raise RuntimeError("fs.optim.Adafactor does not support complex parameters")
-        if p.grad.is_sparse:
-            raise RuntimeError("fs.optim.Adafactor does not support sparse gradients")
-        whole = self._wholes.get(id(p))
-        if whole is None or whole.param is not p:
-            whole = self._wholes[id(p)] = whole_param(p)
+        whole = self._whole_of(p)
         state = self.state[p]
         if not state:
             _init_state(state, whole, p.grad)

@@ -15,21 +15,23 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.optim.optimizer import Optimizer, ParamsT
+from torch.optim.optimizer import ParamsT
 
 from ..params import fragment_tag
 from .muon_rounds import Job, run_jobs
 from .newton_schulz import ADJUST_LR_FNS, EPS, NS_COEFFICIENTS, NS_STEPS
-from .whole import check_one_model, comm_of, whole_param
+from .whole_optimizer import WholeParamOptimizer
 
 __all__ = ["Muon"]
 
 
-class Muon(Optimizer):
+class Muon(WholeParamOptimizer):
     """``torch.optim.Muon`` (same arguments, defaults and math) for the 2-D parameters of a
     model sharded by ``fs.shard`` (or plain 2-D tensors). Parameters whose *full* shape is not
     2-D are refused: optimise embeddings, the output head and 1-D parameters with AdamW
     (``fs.optim.muon_split(model)`` splits a model that way)."""
+
+    name = "fs.optim.Muon"
 
     def __init__(
         self,
@@ -50,10 +52,7 @@ class Muon(Optimizer):
             adjust_lr_fn=adjust_lr_fn,
         )  # fmt: skip
         super().__init__(params, defaults)
-        every = [p for g in self.param_groups for p in g["params"]]
-        check_one_model(every, "fs.optim.Muon")
-        self._comm = comm_of(every)
-        self._wholes: dict[int, Any] = {}
+        self._setup_whole()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -67,27 +66,12 @@ class Muon(Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One Muon step on every parameter that has a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        jobs = [
-            self._job(p, group)
-            for group in self.param_groups
-            for p in group["params"]
-            if p.grad is not None
-        ]
-        run_jobs(jobs, self._comm)
+        loss = self._run_closure(closure)
+        run_jobs([self._job(p, group) for p, group in self._with_grads()], self._comm)
         return loss
 
     def _job(self, p: torch.Tensor, group: dict[str, Any]) -> Job:
-        if torch.is_complex(p):
-            raise RuntimeError("fs.optim.Muon does not support complex parameters")
-        if p.grad.is_sparse:
-            raise RuntimeError("fs.optim.Muon does not support sparse gradients")
-        whole = self._wholes.get(id(p))
-        if whole is None or whole.param is not p:
-            whole = self._wholes[id(p)] = whole_param(p)
+        whole = self._whole_of(p)
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)

@@ -11,28 +11,20 @@ builds on the meta device and ``fs.shard`` materialises one unit at a time.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from datetime import timedelta
 from typing import Any
 
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
-from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.rank_zero import rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import nn
 
 from ...accumulate import no_sync
 from ...grad_norm import clip_grad_norm_
-from ...precision import MixedPrecision
 from .. import common
 from . import checkpointing
-from .options import collect_options, init_process_group
+from .base import FlatshardStrategyBase
 from .precision import FabricFlatshardPrecision
 
 
@@ -41,7 +33,7 @@ class _NoSync(_BackwardSyncControl):
         return no_sync(module) if enabled else nullcontext()
 
 
-class FlatshardStrategy(ParallelStrategy):
+class FlatshardStrategy(FlatshardStrategyBase, ParallelStrategy):
     """Fabric strategy that trains with ``fs.shard``.
 
     Args:
@@ -49,46 +41,18 @@ class FlatshardStrategy(ParallelStrategy):
             ``"full_shard"``, and the precision plugin's mixed precision).
         state_dict_type: ``"sharded"`` (``fs.save``, every rank writes its shards) or
             ``"full"`` (one ``torch.save`` file on rank 0).
-        **shard_kwargs: any other ``fs.shard`` argument (``offload``, ``prefetch``, ...).
+        process_group_backend, timeout: of the process group (default: gloo on CPU).
+        **kwargs: Lightning's (``accelerator``, ``parallel_devices``, ``cluster_environment``,
+            ``precision``), else any other ``fs.shard`` argument (``offload``, ...).
     """
 
-    def __init__(
-        self,
-        policy: Any = None,
-        strategy: Any = None,
-        mixed_precision: MixedPrecision | None = None,
-        state_dict_type: str = "sharded",
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        accelerator: Any = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: Any = None,
-        precision: Precision | None = None,
-        **shard_kwargs: Any,
-    ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            precision=precision,
-        )
-        self.options = collect_options(
-            policy,
-            strategy,
-            mixed_precision,
-            state_dict_type,
-            process_group_backend,
-            timeout,
-            shard_kwargs,
-        )
+    launcher_cls = _SubprocessScriptLauncher
+    lightning_keywords = ("accelerator", "parallel_devices", "cluster_environment", "precision")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._num_nodes = 1
         self._backward_sync_control = _NoSync()
-
-    # ---- where and how many ----------------------------------------------------------------
-    @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
 
     @property
     def num_nodes(self) -> int:
@@ -97,14 +61,6 @@ class FlatshardStrategy(ParallelStrategy):
     @num_nodes.setter
     def num_nodes(self, num_nodes: int) -> None:
         self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @property
     def precision(self) -> FabricFlatshardPrecision:
@@ -118,24 +74,9 @@ class FlatshardStrategy(ParallelStrategy):
             precision = FabricFlatshardPrecision(str(getattr(precision, "precision", precision)))
         self._precision = precision
 
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
-            )
-
     def setup_environment(self) -> None:
         super().setup_environment()
-        init_process_group(self, self.options)
-        self.precision.device_type = self.root_device.type
-
-    def _set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            rank = self.node_rank * self.num_processes + self.local_rank
-            self.cluster_environment.set_global_rank(rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        self._start_process_group(self.precision)
 
     # ---- module and optimizers -------------------------------------------------------------
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list, scheduler=None):
@@ -147,10 +88,7 @@ class FlatshardStrategy(ParallelStrategy):
         return module, optimizers, scheduler
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        if self.root_device.type != "cpu" and not any(
-            t.device.type == "meta" for t in module.parameters()
-        ):
-            module = module.to(self.root_device)
+        module = self._place(module)
         kwargs = self.options.shard_kwargs_with(self.precision.mixed_precision)
         return common.shard_module(module, kwargs)
 
@@ -169,22 +107,7 @@ class FlatshardStrategy(ParallelStrategy):
 
     # ---- collectives -----------------------------------------------------------------------
     def all_reduce(self, tensor, group: Any | None = None, reduce_op: Any = "mean"):
-        from lightning.fabric.utilities.distributed import _sync_ddp_if_available
-
-        if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if _distributed_is_initialized():
-            torch.distributed.barrier()
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        holder = [obj]
-        torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
-        return holder[0]
+        return self._mean_or_op(tensor, group, reduce_op)
 
     def clip_gradients_norm(
         self,
@@ -222,9 +145,3 @@ class FlatshardStrategy(ParallelStrategy):
         optim = optimizer[1] if optimizer else None
         saved = checkpointing.load(path, model[1], optim, keys, strict)
         return common.restore_rest(state, saved)
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        strategy_registry.register(
-            "flatshard", cls, description="flatshard: fully sharded data parallel", override=True
-        )

@@ -34,8 +34,7 @@ class StrategyOptions:
                 f"FlatshardStrategy(state_dict_type={self.state_dict_type!r}): use 'sharded' "
                 "(fs.save: every rank writes its shards) or 'full' (one file on rank 0)"
             )
-        unknown = {"model", "mesh"} & set(self.shard_kwargs)
-        if "model" in unknown:
+        if "model" in self.shard_kwargs:
             raise ValueError("FlatshardStrategy: the model is the strategy's; do not pass model=")
 
     def shard_kwargs_with(self, precision_mp: MixedPrecision | None) -> dict[str, Any]:

@@ -14,36 +14,26 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
-from datetime import timedelta
 from typing import Any
 
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 from ...accumulate import no_sync
 from ...methods import register_method
-from ...precision import MixedPrecision
 from .. import common
 from . import checkpointing
-from .options import collect_options, init_process_group
+from .base import FlatshardStrategyBase
 from .precision import FlatshardPrecision
 
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
-class FlatshardStrategy(ParallelStrategy):
+class FlatshardStrategy(FlatshardStrategyBase, ParallelStrategy):
     """Trainer strategy that trains with ``fs.shard``.
 
     Args:
@@ -51,57 +41,21 @@ class FlatshardStrategy(ParallelStrategy):
             ``"full_shard"``, and the mixed precision of the Trainer's ``precision=``).
         state_dict_type: ``"sharded"`` (``fs.save``: a directory, every rank writes its
             shards) or ``"full"`` (one ``.ckpt`` file on rank 0, loadable without flatshard).
-        **shard_kwargs: any other ``fs.shard`` argument (``offload``, ``prefetch``, ...).
+        process_group_backend, timeout: of the process group (default: gloo on CPU).
+        **kwargs: Lightning's (``accelerator``, ``parallel_devices``, ``cluster_environment``,
+            ``checkpoint_io``, ``precision_plugin``), else any other ``fs.shard`` argument.
     """
 
     strategy_name = "flatshard"
+    launcher_cls = _SubprocessScriptLauncher
+    lightning_keywords = (
+        "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io",
+        "precision_plugin",
+    )  # fmt: skip
 
-    def __init__(
-        self,
-        policy: Any = None,
-        strategy: Any = None,
-        mixed_precision: MixedPrecision | None = None,
-        state_dict_type: str = "sharded",
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        accelerator: Any = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: Any = None,
-        checkpoint_io: Any = None,
-        precision_plugin: Precision | None = None,
-        **shard_kwargs: Any,
-    ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
-        self.options = collect_options(
-            policy,
-            strategy,
-            mixed_precision,
-            state_dict_type,
-            process_group_backend,
-            timeout,
-            shard_kwargs,
-        )
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.num_nodes = 1
-
-    # ---- where and how many ----------------------------------------------------------------
-    @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @property
     def is_distributed(self) -> bool:
@@ -127,34 +81,15 @@ class FlatshardStrategy(ParallelStrategy):
             plugin = FlatshardPrecision(str(getattr(plugin, "precision", "32-true")))
         self._precision_plugin = plugin
 
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
-            )
-
     def setup_environment(self) -> None:
         super().setup_environment()
-        init_process_group(self, self.options)
-        self.precision_plugin.device_type = self.root_device.type
-
-    def _set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            rank = self.node_rank * self.num_processes + self.local_rank
-            self.cluster_environment.set_global_rank(rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        self._start_process_group(self.precision_plugin)
 
     # ---- the model -------------------------------------------------------------------------
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        self.model = self.precision_plugin.convert_module(self.model)
-        if self.root_device.type != "cpu" and not any(
-            t.device.type == "meta" for t in self.model.parameters()
-        ):
-            self.model = self.model.to(self.root_device)
+        self.model = self._place(self.precision_plugin.convert_module(self.model))
         if not common.is_sharded(self.model):
             kwargs = self.options.shard_kwargs_with(self.precision_plugin.mixed_precision)
             common.shard_module(self.model, kwargs)
@@ -187,21 +122,8 @@ class FlatshardStrategy(ParallelStrategy):
             yield
 
     # ---- collectives -----------------------------------------------------------------------
-    def barrier(self, name: str | None = None) -> None:
-        if _distributed_is_initialized():
-            torch.distributed.barrier()
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        holder = [obj]
-        torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
-        return holder[0]
-
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        return self._mean_or_op(tensor, group, reduce_op)
 
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
@@ -264,9 +186,3 @@ class FlatshardStrategy(ParallelStrategy):
                 f"{len(self.optimizers)}: use one optimizer with several param groups"
             )
         return self.optimizers[0] if self.optimizers else None
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            "flatshard", cls, description="flatshard: fully sharded data parallel", override=True
-        )

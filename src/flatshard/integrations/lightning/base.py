@@ -1,0 +1,114 @@
+"""What ``FlatshardStrategy`` shares between Lightning's two flavours (Trainer and Fabric):
+the constructor (flatshard's options; Lightning's own keywords passed on), devices and ranks,
+the launcher, the process group, the small collectives, and placing a module before sharding.
+
+Each flavour mixes this in front of its own ``ParallelStrategy`` and names, as class
+attributes, its launcher class and the constructor keywords its base takes.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, ClassVar
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning_utilities.core.rank_zero import rank_zero_only
+from torch import nn
+
+from ...precision import MixedPrecision
+from .options import StrategyOptions, collect_options, init_process_group
+
+
+class FlatshardStrategyBase:
+    """Mixin; see the module docstring."""
+
+    launcher_cls: ClassVar[type]
+    lightning_keywords: ClassVar[tuple[str, ...]]
+    options: StrategyOptions
+
+    def __init__(
+        self,
+        policy: Any = None,
+        strategy: Any = None,
+        mixed_precision: MixedPrecision | None = None,
+        state_dict_type: str = "sharded",
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        **kwargs: Any,
+    ) -> None:
+        lightning = {k: kwargs.pop(k) for k in self.lightning_keywords if k in kwargs}
+        super().__init__(**lightning)
+        self.options = collect_options(
+            policy, strategy, mixed_precision, state_dict_type, process_group_backend, timeout,
+            kwargs,
+        )  # fmt: skip
+
+    # ---- where and how many ----------------------------------------------------------------
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = self.launcher_cls(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+
+    def _set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            rank = self.node_rank * self.num_processes + self.local_rank
+            self.cluster_environment.set_global_rank(rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank  # the one object both flavours re-export
+
+    def _start_process_group(self, precision_plugin: Any) -> None:
+        """After the base's ``setup_environment``: torch.distributed up, autocast's device."""
+        init_process_group(self, self.options)
+        precision_plugin.device_type = self.root_device.type
+
+    def _place(self, module: nn.Module) -> nn.Module:
+        """On the strategy's device before ``fs.shard`` (a meta-built module stays: fs.shard
+        materialises it unit by unit)."""
+        on_meta = any(t.device.type == "meta" for t in module.parameters())
+        if self.root_device.type == "cpu" or on_meta:
+            return module
+        return module.to(self.root_device)
+
+    # ---- small collectives -----------------------------------------------------------------
+    def _mean_or_op(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if _distributed_is_initialized():
+            torch.distributed.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
+        return holder[0]
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            "flatshard", cls, description="flatshard: fully sharded data parallel", override=True
+        )
