@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # flatshard on one GPU at world 1, in under 5 minutes: correctness checks (fp32 parity, bf16
-# mixed precision, CPU offload, save/load, activation checkpointing, meta init) and the step
-# overhead vs the bare model and torch FSDP2. Without CUDA it is a dry run on the CPU (Gloo,
-# tiny sizes) that executes the same code. See docs/performance.md, "GPU check".
+# mixed precision, CPU offload, save/load, activation checkpointing by every torch and Hugging
+# Face route, meta init) and the step overhead vs the bare model and torch FSDP2, in fp32 and
+# in bf16 mixed precision. Without CUDA it is a dry run on the CPU (Gloo, tiny sizes) that
+# executes the same code. See docs/performance.md, "GPU check".
 #
 #   bench/gpu_check.sh [OUT_DIR] [gpu_check.py options...]
 #

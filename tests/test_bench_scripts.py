@@ -59,7 +59,8 @@ SCRIPTS = {
 def test_every_bench_script_is_covered():
     scripts = {p.name for p in (ROOT / "bench").iterdir() if p.suffix in (".py", ".sh")}
     own_tests = {"fault_common.py", "fault_kill.py", "fault_restart.py", "fault_save.py", "soak.py"}
-    helpers = {"gpu_check.py"}  # run by gpu_check.sh
+    # run by gpu_check.sh (gpu_check.py and the modules it imports)
+    helpers = {"gpu_check.py", "gpu_check_common.py", "gpu_check_routes.py", "gpu_check_bench.py"}
     assert scripts - own_tests - helpers == set(SCRIPTS)
 
 

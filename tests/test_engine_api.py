@@ -258,13 +258,16 @@ def test_clip_grad_norm_takes_parameters_like_torch(dist_pools, form):
 
 def case_collective_counts(strategy: str) -> dict:
     torch.manual_seed(0)
-    model = fs.shard(
-        TinyGPT(layers=3), policy=fs.wrap.by_type(Block), strategy=strategy, mesh=mesh_for(strategy)
-    )
-    lora = fs.shard(LoRAModel(), policy=fs.wrap.by_type(type(LoRAModel().l1)))
+    kw = dict(policy=fs.wrap.by_type(Block), strategy=strategy, mesh=mesh_for(strategy))
+    per_unit = fs.shard(TinyGPT(layers=3), coalesce=False, split_root=False, **kw)
+    torch.manual_seed(0)
+    default = fs.shard(TinyGPT(layers=3), **kw)
+    lora = fs.shard(LoRAModel(), policy=fs.wrap.by_type(type(LoRAModel().l1)), coalesce=False)
     counts = {}
+    tokens = torch.randint(0, 50, (2, 12))
     for name, net, x in (
-        ("gpt", model, torch.randint(0, 50, (2, 12))),
+        ("gpt", per_unit, tokens),
+        ("gpt_default", default, tokens),
         ("lora", lora, torch.randn(4, 19)),
     ):
         for _ in range(2):  # the second step runs with recorded prefetch orders
@@ -281,6 +284,7 @@ def case_collective_counts(strategy: str) -> dict:
 
 UNITS = 3 + 1  # three blocks and the root
 EXPECTED_COUNTS = {  # strategy -> (world, collectives per step of a 3-block TinyGPT)
+    # Unit by unit (coalesce=False, split_root=False):
     # full_shard: every unit gathers for forward, the blocks but the last one again for backward
     # (the root and the last unit of the forward stay gathered); one reduce-scatter per unit;
     # one tiny all-reduce of "used" flags.
@@ -301,11 +305,25 @@ EXPECTED_COUNTS = {  # strategy -> (world, collectives per step of a 3-block Tin
 }
 
 
+# The defaults: the three blocks are one bucket (engine/buckets.py); the root is split into
+# its tail (the final norm) and the rest (embeddings, tied head), which is released after
+# forward and regathered in backward on demand, here once, for the tied head's saved weight
+# (engine/lazy_root.py). full_shard: forward gathers root, tail, bucket; backward regathers the
+# bucket and, on demand, the root; one reduce-scatter each for the tail, the bucket, the root.
+DEFAULT_COUNTS = {
+    "full_shard": {"all_gather": 5, "reduce_scatter": 3, "usage_all_reduce": 1},
+    "shard_grad_op": {"all_gather": 3, "reduce_scatter": 3, "usage_all_reduce": 1},
+    "no_shard": {"all_reduce": UNITS + 1, "usage_all_reduce": 1},  # no bucket without shards
+    "hybrid_shard": {"all_gather": 5, "reduce_scatter": 3, "all_reduce": 3, "usage_all_reduce": 2},
+}
+
+
 @pytest.mark.parametrize("strategy", sorted(EXPECTED_COUNTS))
 def test_collectives_per_step(dist_pools, strategy):
     world, expected = EXPECTED_COUNTS[strategy]
     counts = dist_pools(world).run(case_collective_counts, strategy)[0]
     assert counts["gpt"] == expected
+    assert counts["gpt_default"] == DEFAULT_COUNTS[strategy]
     # LoRA (full_shard): two units; the frozen groups are gathered, never reduce-scattered.
     assert counts["lora"]["reduce_scatter"] == 2
     # Per unit: at most world-1 fp32 elements of tail padding, and up to 3 elements of 16-byte
@@ -389,7 +407,10 @@ def test_no_sync_accumulation_matches_single_process(dist_pools, keep, strategy,
     assert results[0]["err"] <= 1e-5
     # unsharded: nothing is reduced inside the block; sharded: every micro-batch reduces each
     # of the 4 units (3 blocks + root) once, and hybrid adds the all-reduce across replicas
-    expected = 0 if keep == "unsharded" else UNITS * (2 if strategy == "hybrid_shard" else 1)
+    # (max over the steps: the first, before the blocks are coalesced, reduces each of the 5
+    # units, the root's tail included)
+    units = UNITS + 1
+    expected = 0 if keep == "unsharded" else units * (2 if strategy == "hybrid_shard" else 1)
     assert all(r["reductions_inside"] == expected for r in results), (expected, results)
 
 
@@ -528,6 +549,8 @@ def case_prefetch(forward: int, backward: str) -> dict:
         copy.deepcopy(ref),
         policy=fs.wrap.by_type(Block),
         prefetch=fs.Prefetch(forward=forward, backward=backward),
+        coalesce=False,  # depths in units
+        split_root=False,
     )
     gathered: list[int] = []  # units not sharded when block 0 starts (second step on)
     model.blocks[0].register_forward_pre_hook(
@@ -716,6 +739,7 @@ def case_introspection() -> dict:
         "numel": [u.numel for u in units],
         "params": [list(u.params) for u in units],
         "reshard": [u.reshard_after_forward for u in units],
+        "parts": [u.part for u in units],
         "gathered_now": [u.gathered for u in fs.units(model)],
         "plain_numel": {n: p.numel() for n, p in plain.named_parameters()},
         "calls": step.calls,
@@ -728,14 +752,18 @@ def case_introspection() -> dict:
 def test_introspection_api(dist_pools):
     r = dist_pools(2).run(case_introspection)[0]
     assert r["sharded"] == (True, False)
-    assert r["names"] == ["blocks.0", "blocks.1", ""] and r["reshard"] == [True, True, False]
+    # The root's tail (the final norm; the head is tied to the embedding) is a unit of its own
+    # over the root module; the rest of the root is released after forward (lazy_root.py).
+    assert r["names"] == ["blocks.0", "blocks.1", "", ""] and r["parts"] == ["", "", "", "tail"]
+    assert r["reshard"] == [True, True, True, False]
     every = [n for names in r["params"] for n in names]
     assert sorted(every) == sorted(r["plain_numel"])  # each parameter in exactly one unit
     for names, numel in zip(r["params"], r["numel"], strict=True):
         assert numel == sum(r["plain_numel"][n] for n in names)
-    assert r["gathered_now"] == [False, False, False]  # after backward everything is released
-    # first step (no recorded order yet): 3 gathers for forward, both blocks again for backward
-    assert r["calls"] == {"all_gather": 5, "reduce_scatter": 3, "usage_all_reduce": 1}
+    assert r["gathered_now"] == [False] * 4  # after backward everything is released
+    # first step (no recorded order yet): 4 gathers for forward, both blocks again for
+    # backward, and the root once, on demand, for the tied head's saved weight
+    assert r["calls"] == {"all_gather": 7, "reduce_scatter": 4, "usage_all_reduce": 1}
     assert r["after_reset"] == {}
     m = r["memory"]
     assert r["full_bytes"] / 2 <= m.shard_bytes <= r["full_bytes"] / 2 + 1024  # half + padding

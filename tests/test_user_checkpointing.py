@@ -106,7 +106,7 @@ def _route_model(route: str, model_name: str = "tiny", layers: int = 4, d: int =
         model, policy, loss = case.build(), case.policy(), case.loss
         mlp = type(model.model.layers[0].mlp)
     ROUTES[route].before_shard(model)
-    fs.shard(model, policy=ROUTES[route].policy(policy))
+    fs.shard(model, policy=ROUTES[route].policy(policy), coalesce=False)  # per-unit counts
     ROUTES[route].after_shard(model, policy)
     return model, loss, _tokens, mlp
 

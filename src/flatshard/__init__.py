@@ -18,6 +18,7 @@ from .checkpoint import (
     save,
     save_pretrained,
 )
+from .coalesce import Coalesce
 from .grad_norm import clip_grad_norm_
 from .grad_scaler import GradScaler
 from .introspect import MemoryStats, UnitInfo, comm_stats, is_sharded, memory_stats, units
@@ -31,6 +32,7 @@ from .state_dict import full_state_dict, load_full_state_dict, summon_full_param
 
 __all__ = [
     "CPUOffload",
+    "Coalesce",
     "FragmentInfo",
     "GradScaler",
     "MemoryStats",

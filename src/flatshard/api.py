@@ -12,10 +12,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .coalesce import Coalesce
 from .comm.collectives import CommStats
 from .comm.debug import OpChecker
 from .comm.fingerprint import check_ranks_agree
 from .engine import hooks
+from .engine.buckets import named_buckets
 from .engine.mesh import Topology, require_initialized, resolve_topology
 from .engine.meta_init import (
     InitFn,
@@ -24,6 +26,7 @@ from .engine.meta_init import (
     materialize_unit,
     model_init_fn,
 )
+from .engine.root_split import tail_parameters
 from .engine.state import ShardedState
 from .engine.unit import Unit
 from .offload import CPUOffload
@@ -61,6 +64,8 @@ def shard(
     init_fn: InitFn | None = None,
     prefetch: Prefetch | None = None,
     reshard_root: bool = False,
+    coalesce: Coalesce | bool | None = None,
+    split_root: bool = True,
 ) -> nn.Module:
     """Shard ``model``'s parameters over ``mesh`` (default: all ranks) and return it.
 
@@ -80,10 +85,19 @@ def shard(
     its forward into its backward (default, as FSDP2: the root's backward comes first, so a
     reshard would only regather it). ``True`` releases it after forward like any unit: the
     root's gathered bytes are free while the loss is computed, for one all-gather more a step.
+
+    ``coalesce``: small units that run one after another share one all-gather and one
+    reduce-scatter (``fs.Coalesce``: default on, for units up to 2 MiB, chosen from the first
+    iteration's forward order; ``False`` turns it off). Results are identical either way.
+
+    ``split_root``: the root's parameters used only after the last unit (final norm, output
+    head) form a unit of their own over the root module, gathered with the root but reduced
+    and released as soon as their backward is done (see ``engine/root_split.py``).
     """
     options = _options(
-        model, strategy, mixed_precision, offload, timeout_s, init_fn, prefetch, reshard_root
-    )
+        model, strategy, mixed_precision, offload, timeout_s, init_fn, prefetch, reshard_root,
+        coalesce, split_root,
+    )  # fmt: skip
     require_initialized()
     topology = resolve_topology(options.strategy.value, mesh)
     plan = _plan(model, policy)
@@ -98,7 +112,12 @@ def shard(
         timeout=options.timeout,
         prefetch=options.prefetch,
         switches=switches,
+        coalesce=options.coalesce,
+        root=model,
     )
+    if options.coalesce.buckets is not None:
+        names = {id(m): n for n, m in model.named_modules()}
+        state.install_buckets(named_buckets(options.coalesce, units, names, model))
     check_nothing_on_meta(model)
     _place_buffers(model, topology, mixed_precision)
     tag_fragments(state)
@@ -132,10 +151,21 @@ class _Options:
     init_fn: InitFn | None
     prefetch: Prefetch
     reshard_root: bool
+    coalesce: Coalesce
+    split_root: bool
 
 
 def _options(
-    model, strategy, mixed_precision, offload, timeout_s, init_fn, prefetch, reshard_root
+    model,
+    strategy,
+    mixed_precision,
+    offload,
+    timeout_s,
+    init_fn,
+    prefetch,
+    reshard_root,
+    coalesce,
+    split_root,
 ) -> _Options:
     _check_model(model)
     try:
@@ -161,7 +191,23 @@ def _options(
     timeout = _timeout(timeout_s)
     if init_fn is None and has_meta(model):
         init_fn = model_init_fn(model)  # a transformers model: its own _init_weights
-    return _Options(parsed, mixed_precision, offload, timeout, init_fn, prefetch, reshard_root)
+    return _Options(
+        parsed, mixed_precision, offload, timeout, init_fn, prefetch, reshard_root,
+        _coalesce(coalesce), bool(split_root),
+    )  # fmt: skip
+
+
+def _coalesce(coalesce: Coalesce | bool | None) -> Coalesce:
+    if coalesce is None or coalesce is True:
+        return Coalesce()
+    if coalesce is False:
+        return Coalesce(unit_bytes=0)
+    if not isinstance(coalesce, Coalesce):
+        raise TypeError(
+            f"coalesce={coalesce!r}: pass fs.Coalesce(unit_bytes=..., bucket_bytes=...), "
+            "True (the default) or False"
+        )
+    return coalesce
 
 
 def _check_model(model) -> None:
@@ -207,7 +253,8 @@ def _describe(model: nn.Module, plan: WrapPlan, options: _Options) -> list[str]:
         lines.append(f"param {name} {tuple(p.shape)} {p.dtype} grad={p.requires_grad}")
     for name, b in model.named_buffers():
         lines.append(f"buffer {name} {tuple(b.shape)} {b.dtype}")
-    return [*lines, f"reshard_root={options.reshard_root}"]
+    lines += [f"reshard_root={options.reshard_root}", f"split_root={options.split_root}"]
+    return [*lines, f"coalesce={options.coalesce!r}"]
 
 
 def _owned_parameters(model: nn.Module, plan: WrapPlan) -> tuple[list[list], dict]:
@@ -244,13 +291,28 @@ def _build_units(
         reshard = options.strategy in RESHARD_AFTER_FORWARD and (
             not is_root or options.reshard_root
         )
-        unit = Unit(
-            len(units), module, params, slots, topology=topology, stats=stats,
-            reshard_after_forward=reshard, mixed_precision=options.mixed_precision,
-            offload=options.offload,
-        )  # fmt: skip
-        units.append(unit)
+        parts = _split_root(model, plan, params, slots) if is_root and options.split_root else []
+        # The root with its tail split off is released after forward and regathered only if
+        # backward needs it (see [Note: the lazy root]); the tail is the root as before.
+        lazy = len(parts) == 2 and options.strategy in RESHARD_AFTER_FORWARD
+        for i, members in enumerate(parts or [params]):
+            unit = Unit(
+                len(units), module, members, slots, topology=topology, stats=stats,
+                reshard_after_forward=reshard or (lazy and i == 0),
+                mixed_precision=options.mixed_precision, offload=options.offload,
+            )  # fmt: skip
+            unit.regather_on_demand = lazy and i == 0
+            unit.part = "tail" if i == 1 else ""
+            units.append(unit)
     return units
+
+
+def _split_root(model: nn.Module, plan: WrapPlan, params: list, slots: dict) -> list[list]:
+    """The root's parameters as [root, tail] (see [Note: the root's tail]), [] if no tail."""
+    tail = tail_parameters(model, plan.unit_modules, params, slots)
+    if not tail:
+        return []
+    return [[p for p in params if all(p is not q for q in tail)], tail]
 
 
 def _place_buffers(model: nn.Module, topology: Topology, mp: MixedPrecision | None) -> None:

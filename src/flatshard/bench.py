@@ -11,6 +11,7 @@ docs/performance.md; options: docs/estimate.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -29,6 +30,7 @@ from torch import nn
 import flatshard as fs
 
 MODES = ("flatshard", "fsdp2", "ddp", "local")
+PRECISIONS = ("fp32", "bf16")
 WARMUP = 2
 RATIOS = (("flatshard", "fsdp2"), ("flatshard", "local"), ("ddp", "local"), ("fsdp2", "local"))
 
@@ -95,6 +97,8 @@ class Runner:
     name: str
     model: nn.Module
     opt: torch.optim.Optimizer
+    autocast: bool = False
+    """Run forward under bf16 autocast (ddp and local in ``--precision bf16``)."""
     times: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     comm: list[dict] = field(default_factory=list)
@@ -119,19 +123,27 @@ def _vocab(args: argparse.Namespace) -> int:
 
 
 def build(mode: str, args: argparse.Namespace) -> Runner:
-    """Build ``mode``'s model (same seed for every mode) and its AdamW."""
+    """Build ``mode``'s model (same seed for every mode) and its AdamW. ``--precision bf16``:
+    every mode computes in bf16, reduces gradients in fp32 and keeps fp32 parameters and AdamW
+    state (flatshard ``MixedPrecision``, FSDP2 ``MixedPrecisionPolicy``, DDP and local under
+    bf16 autocast)."""
     model, block = _build_model(args)
+    bf16 = args.precision == "bf16"
     if mode == "flatshard":
-        model = fs.shard(model, policy=fs.wrap.by_type(block))
+        mp = fs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        model = fs.shard(model, policy=fs.wrap.by_type(block), mixed_precision=mp if bf16 else None)
     elif mode == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kwargs = {"mp_policy": policy} if bf16 else {}
         for m in [m for m in model.modules() if isinstance(m, block)]:
-            fully_shard(m)
-        fully_shard(model)
+            fully_shard(m, **kwargs)
+        fully_shard(model, **kwargs)
     elif mode == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
-    return Runner(mode, model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    autocast = bf16 and mode in ("ddp", "local")
+    return Runner(mode, model, torch.optim.AdamW(model.parameters(), lr=1e-3), autocast)
 
 
 def train_step(r: Runner, x: torch.Tensor) -> float:
@@ -140,7 +152,8 @@ def train_step(r: Runner, x: torch.Tensor) -> float:
         fs.comm_stats(r.model, reset=True)
     dist.barrier()
     t0 = time.perf_counter()
-    logits = r.model(x[:, :-1])  # [B, T, V]
+    with _autocast(r, x.device):
+        logits = r.model(x[:, :-1])  # [B, T, V]
     loss = F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten())
     loss.backward()
     r.opt.step()
@@ -151,6 +164,12 @@ def train_step(r: Runner, x: torch.Tensor) -> float:
         counts = fs.comm_stats(r.model)
         r.comm.append({"calls": counts.calls, "bytes": counts.bytes})
     return dt
+
+
+def _autocast(r: Runner, device: torch.device) -> contextlib.AbstractContextManager:
+    if r.autocast:
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def run_rounds(runners: list[Runner], args: argparse.Namespace, vocab: int) -> None:
@@ -207,8 +226,9 @@ def print_report(out: dict) -> None:
     """The table: per mode median/min/max step, tokens/s, loss agreement, peak RSS; ratios."""
     c, rss = out["config"], _rss(out)
     shape = f"model={c['model']}" if c["model"] else f"d={c['d']} L={c['layers']} V={c['vocab']}"
+    precision = c.get("precision", "fp32")
     print(f"\n== flatshard bench  world={out['world']}  {shape}  batch={c['batch']}x{c['seq']}"
-          f"  rounds={c['steps']} (first {WARMUP} discarded)")  # fmt: skip
+          f"  precision={precision}  rounds={c['steps']} (first {WARMUP} discarded)")  # fmt: skip
     cols, rss_col = ("mode", "median s", "tok/s/rank", "min s", "max s", "|dloss| vs ddp"), "RSS MB"
     print("{:<10}{:>10}{:>11}{:>8}{:>8}{:>15}".format(*cols) + (f"{rss_col:>12}" if rss else ""))
     for name, m in out["modes"].items():
@@ -256,6 +276,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4, help="sequences per rank")
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    bf16_help = "bf16: every mode computes in bf16, reduces in fp32, keeps fp32 master weights"
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32", help=bf16_help)
     p.add_argument("--mode", choices=("all", *MODES), default="all")
     p.add_argument("--json", help="write every figure here")
     p.add_argument("--memory", action="store_true", help="+ peak RSS per mode (extra launches)")
@@ -267,16 +289,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def worker(args: argparse.Namespace) -> None:
-    """One rank under torchrun: run the rounds; rank 0 prints and writes the JSON."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+def run_bench(args: argparse.Namespace) -> dict:
+    """The rounds on this (initialised) process group: :func:`summarize`'s figures + RSS."""
     before = _gather_rss()
     modes = MODES if args.mode == "all" else (args.mode,)
     runners = [build(m, args) for m in modes]
     run_rounds(runners, args, _vocab(args))
     out = summarize(runners, args, dist.get_world_size())
     out["rss_mb_ranks"], out["rss_before_models_mb"] = _gather_rss(), before
+    return out
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank under torchrun: run the rounds; rank 0 prints and writes the JSON."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    out = run_bench(args)
     if dist.get_rank() == 0:
         if not args.quiet:
             print_report(out)
@@ -297,6 +325,7 @@ def _gather_rss() -> list[float]:
 def _launch(args: argparse.Namespace, mode: str, steps: int, json_path: str) -> None:
     """Run the worker on ``args.nproc`` local ranks with torchrun (one thread each)."""
     fwd = ["--worker", "--quiet", "--steps", str(steps), "--mode", mode, "--json", json_path]
+    fwd += ["--precision", args.precision]
     for name in ("d", "layers", "vocab", "heads", "batch", "seq", "seed"):
         fwd += ["--dim" if name == "d" else f"--{name}", str(getattr(args, name))]
     if args.model:

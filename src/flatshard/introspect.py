@@ -36,7 +36,11 @@ class UnitInfo:
     gathered: bool
     """Its full parameters are allocated (or being gathered) right now."""
     reshard_after_forward: bool
-    """It releases its full parameters after forward (full_shard, hybrid_shard; not the root)."""
+    """It releases its full parameters after forward (full_shard, hybrid_shard; the root too
+    once its tail is split off, see ``split_root``)."""
+    part: str = ""
+    """"tail" for the root's tail (``fs.shard(split_root=True)``): a second unit over the root
+    module; "" otherwise."""
 
 
 def units(model: nn.Module) -> list[UnitInfo]:
@@ -56,6 +60,7 @@ def units(model: nn.Module) -> list[UnitInfo]:
                 numel=sum(s.numel for s in specs),
                 gathered=unit.state is not ParamState.SHARDED,
                 reshard_after_forward=unit.reshard_after_forward,
+                part=unit.part,
             )
         )
     return out

@@ -28,15 +28,18 @@ def register_method(model: nn.Module, name: str, *, submodule: nn.Module | None 
             f"{type(target).__name__} has no method {name!r}; pass the name of a method "
             "defined on that module (e.g. 'generate')"
         )
-    unit = _owning_unit(model, target, state.units)
+    owner = _owning_unit(model, target, state.units)
+    units = [u for u in state.units if u.module is owner.module]  # the root and its tail
 
     @functools.wraps(method)
     def gathered(*args, **kwargs):
-        hooks._pre_forward(state, unit, unit.module, args, kwargs)
+        for unit in units:
+            hooks._pre_forward(state, unit, unit.module, args, kwargs)
         try:
             return method(*args, **kwargs)
         finally:
-            hooks._post_forward(state, unit, unit.module, args, kwargs, None)
+            for unit in reversed(units):
+                hooks._post_forward(state, unit, unit.module, args, kwargs, None)
 
     setattr(target, name, gathered)
 

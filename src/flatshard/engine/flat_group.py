@@ -55,12 +55,21 @@ class ParamSpec:
 PIECES_MIN_BYTES = 1 << 20  # see FlatGroup.reduces_pieces
 
 
-def _divided(flat_grad: torch.Tensor, pre: float) -> torch.Tensor:
+def then_replicas(
+    work: PendingWork, grad_shard: torch.Tensor, topo: Topology, stats: CommStats, label: str
+) -> None:
+    """hybrid_shard: once the reduce-scatter is done, sum ``grad_shard`` over the replicas."""
+    if topo.replicate_group is not None:
+        replicate = topo.replicate_group
+        work.add_then(lambda t: all_reduce_sum(grad_shard, replicate, stats, label).wait(t))
+
+
+def divided(flat_grad: torch.Tensor, pre: float) -> torch.Tensor:
     """In place: the first half of the mean's division (fp16), see ``precision.sum_scaling``."""
     return flat_grad.div_(pre) if pre != 1.0 else flat_grad
 
 
-def _data_parallel_world(topo: Topology) -> int:
+def data_parallel_world(topo: Topology) -> int:
     replicas = dist.get_world_size(topo.replicate_group) if topo.replicate_group else 1
     return topo.shard_world * replicas
 
@@ -113,6 +122,8 @@ class FlatGroup:
         self._borrowed: torch.Tensor | None = None  # the pooled buffer ``full`` views, if any
         self.keep_private = False  # saved views of this step hold the private storage
         self._chunk_spans: list[list[gloo_p2p.Span]] | None = None  # see _reduce_scatter
+        self._views: list[torch.Tensor] = []  # full_views of ``_views_of`` (a ``full``)
+        self._views_of: torch.Tensor | None = None
         self.free_full()
 
     def _fragments(self, params: list[nn.Parameter]) -> list[ParamSpec]:
@@ -160,6 +171,7 @@ class FlatGroup:
         if self._borrowed is not None:
             self.pool.release(self._borrowed)  # type: ignore[union-attr]
             self._borrowed, self.full = None, self._private
+            self._views, self._views_of = [], None  # they would keep the pooled buffer alive
         elif not self.replicated:
             self._resize_private(0)
 
@@ -179,23 +191,33 @@ class FlatGroup:
         self._private.data.copy_(self.full.data)
         self.pool.release(self._borrowed)  # type: ignore[union-attr]
         self._borrowed, self.full = None, self._private
+        self._views, self._views_of = [], None
 
     def gather(self, group: dist.ProcessGroup | None, stats: CommStats) -> PendingWork:
         """Async: all-gather every rank's shard straight into ``full`` (no copy-in, no copy-out);
         under mixed precision the shard is cast first, once, so half the bytes travel."""
         self.allocate_full()
+        return all_gather_into(self.full.data, self.send_shard(stats), group, stats, self.label)
+
+    def send_shard(self, stats: CommStats) -> torch.Tensor:
+        """This rank's shard as a gather sends it: on the device, in the compute dtype."""
         send = self.shard
         if self.offloaded:  # to the device (a no-op copy on a CPU-only run)
             stats.record("offload_h2d", send)
             send = send.to(self.device, non_blocking=True)
         if send.dtype != self.compute_dtype:
             send = send.to(self.compute_dtype)
-        return all_gather_into(self.full.data, send, group, stats, label=self.label)
+        return send
 
     def full_views(self) -> list[torch.Tensor]:
-        """Full-shape views of ``full``, one per parameter (no autograd edge)."""
-        data = self.full.data
-        return [data[s.offset : s.offset + s.numel].view(s.shape) for s in self.specs]
+        """Full-shape views of ``full``, one per parameter (no autograd edge): fresh tensor
+        objects each call (autograd attaches a ``grad_fn`` to what ``UnitViews`` returns), as
+        aliases of views built once per buffer (an alias costs a sixth of a slice + view)."""
+        if self._views_of is not self.full:
+            data = self.full.data
+            self._views = [data[s.offset : s.offset + s.numel].view(s.shape) for s in self.specs]
+            self._views_of = self.full
+        return [v.detach() for v in self._views]
 
     # ---- gradients ---------------------------------------------------------------------------
     def flat_grad_from(self, grads: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
@@ -208,7 +230,8 @@ class FlatGroup:
             pieces.append(self._zeros(spec.numel) if grad is None else grad.reshape(-1))
             position = spec.offset + spec.numel
         pieces.append(self._zeros(self.padded_numel - position))
-        return torch.cat([p.to(self.reduce_dtype) for p in pieces])
+        dtype = self.reduce_dtype
+        return torch.cat([p if p.dtype == dtype else p.to(dtype) for p in pieces])
 
     def _zeros(self, n: int) -> torch.Tensor:
         return torch.zeros(n, dtype=self.reduce_dtype, device=self.device)
@@ -224,7 +247,7 @@ class FlatGroup:
         return (
             group is not None
             and gloo_p2p.p2p_enabled(group, p2p)
-            and sum_scaling(self.reduce_dtype, _data_parallel_world(topo))[0] == 1.0
+            and sum_scaling(self.reduce_dtype, data_parallel_world(topo))[0] == 1.0
             and self.padded_numel * self.reduce_dtype.itemsize >= PIECES_MIN_BYTES
         )
 
@@ -239,20 +262,16 @@ class FlatGroup:
         :meth:`reduces_pieces`. Sharded: reduce-scatter (SUM) over the shard group, then (hybrid)
         an all-reduce of the shard over the replicate group once the first has completed; the
         mean's division is split around the sum (see ``precision.sum_scaling``)."""
-        pre, post = sum_scaling(self.reduce_dtype, _data_parallel_world(topo))
+        pre, post = sum_scaling(self.reduce_dtype, data_parallel_world(topo))
         if topo.shard_group is None:  # no_shard: the flat gradient is the shard's gradient
             assert isinstance(flat_grad, torch.Tensor)
-            grad_shard, work = _divided(flat_grad, pre), PendingWork(None, "none")
+            grad_shard, work = divided(flat_grad, pre), PendingWork(None, "none")
             if topo.replicate_group is not None:
                 work = all_reduce_sum(grad_shard, topo.replicate_group, stats, self.label)
         else:
             grad_shard = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
             work = self._reduce_scatter(grad_shard, flat_grad, pre, topo.shard_group, stats)
-            if topo.replicate_group is not None:
-                replicate = topo.replicate_group
-                work.add_then(
-                    lambda t: all_reduce_sum(grad_shard, replicate, stats, self.label).wait(t)
-                )
+            then_replicas(work, grad_shard, topo, stats, self.label)
         work.add_then(lambda _: grad_shard.div_(post) if post != 1.0 else None)
         return grad_shard, work
 
@@ -274,7 +293,7 @@ class FlatGroup:
             return reduce_scatter_pieces_sum(
                 out, flat_grad, spans, self.padded_numel, group, stats, self.label
             )
-        return reduce_scatter_sum(out, _divided(flat_grad, pre), group, stats, self.label)
+        return reduce_scatter_sum(out, divided(flat_grad, pre), group, stats, self.label)
 
     def assign_grads(self, grad_shard: torch.Tensor, used: torch.Tensor, stats: CommStats) -> None:
         """Give each used fragment its slice of ``grad_shard``; unused ones keep ``.grad``."""
@@ -285,7 +304,8 @@ class FlatGroup:
             if not is_used:
                 continue
             frag = spec.fragment
-            piece = grad_shard[spec.local_start : spec.local_end].to(frag.dtype)
+            piece = grad_shard[spec.local_start : spec.local_end]
+            piece = piece if piece.dtype == frag.dtype else piece.to(frag.dtype)
             if frag.grad is None:
                 frag.grad = piece
             else:

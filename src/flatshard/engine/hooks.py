@@ -31,10 +31,10 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
 from ..precision import MixedPrecision, cast_floating
-from . import recompute, saved_views
+from . import lazy_root, recompute, saved_views
 from .recompute import Call, CallKind
 from .state import ShardedState
-from .unit import Unit
+from .unit import ParamState, Unit
 
 
 class UnitViews(torch.autograd.Function):
@@ -67,14 +67,14 @@ def make_views(
 ) -> tuple[list[list[torch.Tensor]], Any]:
     """Full-shape views per group, autograd-connected when a backward may follow; and the
     ``UnitViews`` node they come from (None without one)."""
-    views = [g.full_views() for g in unit.groups]
     trainable = unit.trainable_groups
     if not (trainable and torch.is_grad_enabled()):
-        return views, None
+        return [g.full_views() for g in unit.groups], None
     outs = UnitViews.apply(unit.anchor, state, unit, counted)
     it = iter(outs)
-    for gi in trainable:
-        views[gi] = [next(it) for _ in unit.groups[gi].specs]
+    views = [
+        [next(it) for _ in g.specs] if g.requires_grad else g.full_views() for g in unit.groups
+    ]
     if counted:
         unit.grad.pending_nodes += 1
     return views, outs[0].grad_fn
@@ -117,15 +117,18 @@ def _pre_forward(state: ShardedState, unit: Unit, module, args, kwargs):
     if state.summoned:  # full parameters are already installed; no collective may run
         return None
     kind = recompute.classify_call(unit)
-    state.ensure_gathered(unit)
+    state.gather_for_step(unit)
     if kind is CallKind.RECOMPUTE:  # gradients flow through the first forward's graph
         unit.install_views(recompute_views(state, unit))
         unit.calls.append(Call(kind))
         return None
     if kind is CallKind.FORWARD:
         state.forward_order.observe(unit)
-        state.prefetch(state.forward_order.after(unit, state.prefetch_policy.forward))
-    saved_views.enter(state.pool, unit)
+        state.prefetch(state.ahead(state.forward_order, unit, state.prefetch_policy.forward))
+    if unit.regather_on_demand:  # see [Note: the lazy root]
+        unit.lazy_now = lazy_root.enter(unit, partial(state.gather_for_step, unit))
+    else:
+        saved_views.enter(state.pool, unit)
     views, node = make_views(state, unit)
     unit.install_views(views)
     unit.forward_depth += 1
@@ -146,8 +149,11 @@ def _post_forward(state: ShardedState, unit: Unit, module, args, kwargs, output)
         # The last unit of the forward is the first of the backward: keep it (one regather
         # less per step). Only with grad: a no-grad forward has no backward to wait for. A
         # reentrant recomputation is backpropagated right away: keep it too.
+        # With the root's tail split off, the tail's backward comes first and prefetches the
+        # last unit behind the head's backward: it need not be held through the loss.
         last = state.forward_order.is_last(unit)
-        keep = call.kind is CallKind.REENTRANT or (torch.is_grad_enabled() and last)
+        keep_last = last and torch.is_grad_enabled() and not state.tail_first
+        keep = call.kind is CallKind.REENTRANT or keep_last
         if unit.reshard_after_forward and not keep:
             unit.reshard(state.timeout)
         if last and state.pool is not None and call.kind is CallKind.FORWARD:
@@ -192,10 +198,24 @@ def _post_backward_on_inputs(state: ShardedState, unit: Unit, inputs) -> None:
 def _pre_backward(state: ShardedState, unit: Unit, grad: torch.Tensor) -> None:
     _queue_final_callback(state)
     state.backward_order.observe(unit)
-    state.ensure_gathered(unit)
+    if unit.lazy_now and unit.state is ParamState.SHARDED:  # see [Note: the lazy root]
+        unit.on_demand_views = None
+        unit.install_views(lazy_root.placeholders(unit, partial(_on_demand_views, state, unit)))
+        return
+    state.gather_for_step(unit)
     if state.prefetch_policy.backward == "pre":
-        state.prefetch(state.backward_order.after(unit))
+        state.prefetch(state.ahead(state.backward_order, unit))
     unit.install_views(recompute_views(state, unit))
+
+
+def _on_demand_views(state: ShardedState, unit: Unit) -> list[list[torch.Tensor]]:
+    """A placeholder of the lazy root was used: gather it, install real recompute views (the
+    next uses read them directly) and hand them out."""
+    if unit.on_demand_views is None:
+        state.gather_for_step(unit)
+        unit.on_demand_views = recompute_views(state, unit)
+        unit.install_views(unit.on_demand_views)
+    return unit.on_demand_views
 
 
 def recompute_views(state: ShardedState, unit: Unit) -> list[list[torch.Tensor]]:
@@ -232,7 +252,7 @@ def _call_done(state: ShardedState, unit: Unit) -> None:
         unit.install_fragments()
         unit.reshard(state.timeout)
         if state.prefetch_policy.backward == "post":
-            state.prefetch(state.backward_order.after(unit))
+            state.prefetch(state.ahead(state.backward_order, unit))
 
 
 def _reduce_right_away(state: ShardedState, unit: Unit) -> bool:

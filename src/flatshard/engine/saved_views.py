@@ -30,13 +30,26 @@ class SavedView:
     offset: int
     size: tuple[int, ...]
     stride: tuple[int, ...]
+    regather: Callable[[], None] | None = None  # gathers the group's unit when released
+
+    def rebuild(self) -> torch.Tensor:
+        """The saved view, on the group's buffer of this moment (gathered first if need be)."""
+        group = self.group
+        if not group.is_allocated and self.regather is not None:
+            self.regather()  # see [Note: the lazy root] in lazy_root.py
+        if not group.is_allocated:
+            raise RuntimeError(
+                f"flatshard internal error: backward needs {group.label}, which is not gathered "
+                "(set FLATSHARD_GATHER_POOL=0 to work around it, and please report it)"
+            )
+        return group.full.data.as_strided(self.size, self.stride, self.offset)
 
 
 def make_hooks(
     pool: GatherPool, outer_pack: Callable[[torch.Tensor], Any] | None = None
 ) -> torch.autograd.graph.saved_tensors_hooks:
-    """``outer_pack``: the pack hook of an enclosing unit of *another* sharded model, asked
-    about tensors this pool does not own (a parameter view of that model passed in here)."""
+    """``outer_pack``: the pack hook of an enclosing unit (of this model, of another sharded
+    model, or the lazy root), asked about tensors this pool does not own."""
 
     def pack(tensor: torch.Tensor) -> Any:
         try:
@@ -50,13 +63,7 @@ def make_hooks(
     def unpack(saved: Any) -> torch.Tensor:
         if not isinstance(saved, SavedView):
             return saved
-        group = saved.group
-        if not group.is_allocated:
-            raise RuntimeError(
-                f"flatshard internal error: backward needs {group.label}, which is not gathered "
-                "(set FLATSHARD_GATHER_POOL=0 to work around it, and please report it)"
-            )
-        return group.full.data.as_strided(saved.size, saved.stride, saved.offset)
+        return saved.rebuild()
 
     pack.flatshard_pool = pool  # type: ignore[attr-defined]  # see active_hooks
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
@@ -98,9 +105,9 @@ def enter(pool: GatherPool | None, unit: Unit) -> None:
             for g in unit.groups:
                 g.move_to_private()
         else:
-            outer = None  # an enclosing unit of this model: same pool, nothing to chain
-            if active is not None and active[0].flatshard_pool is not pool:
-                outer = active[0]  # another sharded model's unit encloses this one
+            # An enclosing unit (of this model or another, or the lazy root) sees what this
+            # one does not own: a view of its own buffer saved in here.
+            outer = active[0] if active is not None else None
             hooks = make_hooks(pool, outer)
             hooks.__enter__()
     unit.saved_hooks.append(hooks)

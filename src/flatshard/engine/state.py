@@ -20,9 +20,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..coalesce import Coalesce
 from ..comm.collectives import CommStats, all_reduce
+from ..comm.fingerprint import check_ranks_agree
 from ..prefetch import Prefetch
 from ..switches import Switches
+from .buckets import Bucket, plan_buckets
 from .gather_pool import GatheredBytes, GatherPool
 from .mesh import Topology
 from .unit import ParamState, PendingReduce, Unit
@@ -48,13 +51,6 @@ class StepOrder:
     def is_last(self, unit: Unit) -> bool:
         return self.frozen is not None and self.frozen[-1] is unit
 
-    def after(self, unit: Unit, count: int = 1) -> list[Unit]:
-        """The ``count`` units that follow ``unit`` in the recorded order."""
-        ahead: list[Unit] = []
-        while len(ahead) < count and (unit := self.next_of.get(id(unit))) is not None:
-            ahead.append(unit)
-        return ahead
-
 
 class ShardedState:
     """Everything flatshard keeps for one sharded model."""
@@ -69,6 +65,8 @@ class ShardedState:
         prefetch: Prefetch,
         switches: Switches,
         max_inflight_reduces: int = 2,
+        coalesce: Coalesce | None = None,
+        root: torch.nn.Module | None = None,
     ) -> None:
         self.units = units
         self.topology = topology
@@ -81,7 +79,15 @@ class ShardedState:
         self.forward_order = StepOrder()
         self.backward_order = StepOrder()
         self.max_inflight_reduces = max_inflight_reduces
-        self._inflight: deque[PendingReduce] = deque()
+        self._inflight: deque[list[PendingReduce]] = deque()  # one entry per reduction
+        self.coalesce = coalesce if coalesce is not None else Coalesce(unit_bytes=0)
+        self.root = root
+        self.buckets: list[Bucket] = []
+        self.buckets_planned = False
+        # The root's tail (see root_split.py) starts every backward: the last unit of the
+        # forward is not the first of the backward then.
+        self.tail_first = any(u.regather_on_demand for u in units)
+        self._ahead: dict[tuple[int, int, int], list[Unit]] = {}  # see ahead()
         self._reduced: list[PendingReduce] = []
         self.final_callback_queued = False
         self.summoned = False  # inside summon_full_params: hooks stand aside
@@ -95,7 +101,10 @@ class ShardedState:
         """Reused gather buffers for the units that reshard after forward (enough for the
         current unit and those prefetched); with ``FLATSHARD_GATHER_POOL=0`` none: one buffer
         per unit, allocated at each gather and freed at each reshard."""
-        pooled = [g for u in self.units if u.reshard_after_forward for g in u.groups]
+        pooled = [
+            g for u in self.units if u.reshard_after_forward and not u.regather_on_demand
+            for g in u.groups
+        ]  # fmt: skip
         pooled = [g for g in pooled if not g.replicated]
         if not pooled:
             return None
@@ -110,6 +119,49 @@ class ShardedState:
         out = [g.full for g in groups if g.full.untyped_storage().nbytes()]
         return out + (self.pool.buffers() if self.pool is not None else [])
 
+    # ---- coalescing --------------------------------------------------------------------------
+    def install_buckets(self, buckets: list[list[Unit]]) -> None:
+        """Make each list of units a bucket (every rank must pass the same: checked here)."""
+        self.buckets_planned = True
+        self._ahead.clear()
+        if not buckets:
+            return
+        lines = [f"bucket {' '.join(str(u.index) for u in b)}" for b in buckets]
+        check_ranks_agree(lines, dist.group.WORLD)
+        self.buckets = [Bucket(i, b, self.topology, self.stats) for i, b in enumerate(buckets)]
+
+    def _plan_buckets(self) -> None:
+        """After the first iteration: buckets from the recorded forward order."""
+        if self.buckets_planned or self.forward_order.frozen is None:
+            return
+        order = self.forward_order.frozen
+        self.install_buckets(plan_buckets(order, self.coalesce, self.root) if self.root else [])
+
+    def gather_for_step(self, unit: Unit) -> None:
+        """The training hooks' gather: with its bucket when it has one (see buckets.py)."""
+        if unit.bucket is not None and unit.state is ParamState.SHARDED:
+            unit.bucket.start_gather()
+        self.ensure_gathered(unit)
+
+    def ahead(self, order: StepOrder, unit: Unit, count: int = 1) -> list[Unit]:
+        """The next ``count`` units after ``unit`` in ``order`` to prefetch, a bucket counting
+        as one unit (its other members come with it)."""
+        key = (id(order), id(unit), count)
+        if order.frozen is not None and key in self._ahead:
+            return self._ahead[key]
+        start = unit
+        ahead: list[Unit] = []
+        buckets = [unit.bucket] if unit.bucket is not None else []
+        while len(ahead) < count and (unit := order.next_of.get(id(unit))) is not None:
+            if unit.regather_on_demand and order is self.backward_order:
+                continue  # gathered in backward only if needed (see lazy_root.py)
+            if unit.bucket is None or all(unit.bucket is not b for b in buckets):
+                ahead.append(unit)
+                buckets += [unit.bucket] if unit.bucket is not None else []
+        if order.frozen is not None:  # the same answer every step from now on
+            self._ahead[(id(order), id(start), count)] = ahead
+        return ahead
+
     # ---- gathering ---------------------------------------------------------------------------
     def ensure_gathered(self, unit: Unit) -> None:
         """Make ``unit``'s full buffers valid (regather if the shard changed since)."""
@@ -119,7 +171,11 @@ class ShardedState:
 
     def prefetch(self, units: list[Unit]) -> None:
         for unit in units:
-            if unit.state is ParamState.SHARDED:
+            if unit.state is not ParamState.SHARDED:
+                continue
+            if unit.bucket is not None:
+                unit.bucket.start_gather()
+            else:
                 unit.start_gather()
 
     def reshard_all(self) -> None:
@@ -131,16 +187,25 @@ class ShardedState:
 
     # ---- gradient reduction ------------------------------------------------------------------
     def launch_reduce(self, unit: Unit) -> None:
-        """Start ``unit``'s reduction (it owns it: ``Unit.start_reduce``) and keep it in flight."""
-        self._inflight.extend(unit.start_reduce(self.topology, self.stats))
+        """Start ``unit``'s reduction (it owns it: ``Unit.start_reduce``; a member of a bucket
+        hands its gradients to the bucket) and keep it in flight."""
+        if unit.bucket is not None:
+            self._in_flight(unit.bucket.add_grads(unit))
+        else:
+            self._in_flight(unit.start_reduce(self.topology, self.stats))
+
+    def _in_flight(self, pending: list[PendingReduce]) -> None:
+        if not pending:
+            return
+        self._inflight.append(pending)
         # Bound the memory held by flat gradients still being reduced.
         while len(self._inflight) > self.max_inflight_reduces:
             self._finish_oldest_reduce()
 
     def _finish_oldest_reduce(self) -> None:
-        pending = self._inflight.popleft()
-        pending.wait(self.timeout)
-        self._reduced.append(pending)
+        for pending in self._inflight.popleft():
+            pending.wait(self.timeout)
+            self._reduced.append(pending)
 
     def finish_backward(self) -> None:
         """End of backward: reduce what never reduced, wait, agree on usage, assign grads."""
@@ -154,6 +219,8 @@ class ShardedState:
             if unit.grad.pending_nodes > 0 or unit.has_unreduced_grads():
                 unit.grad.pending_nodes = 0
                 self.launch_reduce(unit)
+        for bucket in self.buckets:
+            self._in_flight(bucket.flush())
         while self._inflight:
             self._finish_oldest_reduce()
         reduced, self._reduced = self._reduced, []
@@ -164,6 +231,7 @@ class ShardedState:
         self.reshard_all()
         self.forward_order.freeze()
         self.backward_order.freeze()
+        self._plan_buckets()
 
     def _agree_on_usage(self, masks: list[torch.Tensor]) -> list[torch.Tensor]:
         """A parameter used on any rank gets a gradient on every rank (one small all-reduce)."""

@@ -109,6 +109,7 @@ class Unit:
             for pi, p in enumerate(members):
                 for module_, name in slots_by_param[id(p)]:
                     self.slots.append(Slot(module_, name, gi, pi))
+        self.trainable_groups = [i for i, g in enumerate(self.groups) if g.requires_grad]
         # A zero-size leaf that makes autograd call ``UnitViews.backward`` (see hooks.py).
         self.anchor = torch.empty(0, device=device, requires_grad=True)
         self.state = ParamState.SHARDED
@@ -116,6 +117,13 @@ class Unit:
         self.saved_hooks: list = []  # per forward call in progress, see saved_views.enter
         self.calls: list = []  # per forward call in progress: a recompute.Call
         self._gather_work: list[PendingWork] = []
+        self.bucket = None  # the engine.buckets.Bucket it shares collectives with, if any
+        # The lazy root (see lazy_root.py): released after forward, regathered on demand;
+        # ``lazy_now``: this step's forward could install its saved-tensor hooks.
+        self.regather_on_demand = False
+        self.part = ""  # "tail": the root's tail (see root_split.py)
+        self.lazy_now = False
+        self.on_demand_views: list | None = None  # this backward's, once a placeholder was used
         self._gathered_versions: list[int] = []
         self.grad = GradState()
         self.reset_grad_state()
@@ -126,6 +134,7 @@ class Unit:
         of its forward calls is gone, so gathers may borrow pooled buffers again."""
         for g in self.groups:
             g.keep_private = False
+        self.on_demand_views = None
         self.grad.pending_nodes = 0
         self.grad.flat_grads = [None] * len(self.groups)
         self.grad.used = [torch.zeros(len(g.specs), dtype=torch.bool) for g in self.groups]
@@ -148,7 +157,11 @@ class Unit:
         """Issue the async all-gathers of every group (no-op unless sharded)."""
         if self.state is not ParamState.SHARDED:
             return
-        self._gather_work = [g.gather(self.process_group, self.stats) for g in self.groups]
+        self.mark_gathering([g.gather(self.process_group, self.stats) for g in self.groups])
+
+    def mark_gathering(self, works: list[PendingWork]) -> None:
+        """The gathers of every group are in flight (``works``, maybe shared with a bucket)."""
+        self._gather_work = works
         self._gathered_versions = [g.shard._version for g in self.groups]
         self.state = ParamState.GATHERING
 
@@ -187,7 +200,8 @@ class Unit:
             if all(g is None for g in mine):
                 continue
             previous = self.grad.flat_grads[gi]
-            if previous is None and reduce_now and group.reduces_pieces(topology, p2p):
+            pieces = reduce_now and self.bucket is None and group.reduces_pieces(topology, p2p)
+            if previous is None and pieces:
                 self.grad.flat_grads[gi] = tuple(mine)  # reduced without a flat copy
             else:
                 flat = group.flat_grad_from(mine)
@@ -198,18 +212,22 @@ class Unit:
         """Start averaging each trainable group's gradient over the data-parallel ranks (zeros
         for a group no call used: every rank must issue the same collectives)."""
         pending = []
-        for gi in self.trainable_groups:
-            group, flat = self.groups[gi], self.grad.flat_grads[gi]
-            if flat is None:
-                flat = group.zeros_flat_grad()
+        for group, flat, used in self.take_flat_grads():
             grad_shard, work = group.start_reduce(flat, topology, stats)
-            pending.append(PendingReduce(group, grad_shard, self.grad.used[gi], work))
-        self.reset_grad_state()
+            pending.append(PendingReduce(group, grad_shard, used, work))
         return pending
 
-    @property
-    def trainable_groups(self) -> list[int]:
-        return [i for i, g in enumerate(self.groups) if g.requires_grad]
+    def take_flat_grads(self) -> list[tuple[FlatGroup, torch.Tensor | tuple, torch.Tensor]]:
+        """(group, flat gradient, used mask) per trainable group, zeros for a group no call
+        used (every rank must issue the same collectives); the unit's gradients reset."""
+        out = []
+        for gi in self.trainable_groups:
+            group, flat = self.groups[gi], self.grad.flat_grads[gi]
+            out.append(
+                (group, group.zeros_flat_grad() if flat is None else flat, self.grad.used[gi])
+            )
+        self.reset_grad_state()
+        return out
 
 
 def _group_by_kind(params: list[nn.Parameter]) -> dict[tuple, list[nn.Parameter]]:

@@ -1,0 +1,190 @@
+"""Coalesced units (engine/buckets.py): fewer collectives, the same bits.
+
+Every engine parity test already runs coalesced (it is the default and the parity models are
+tiny); here a coalesced model and an uncoalesced copy train side by side on the same data and
+must agree bit for bit at every step (gradients, losses, parameters), while issuing fewer
+all-gathers and reduce-scatters; plus the plan, the explicit buckets and the errors.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import flatshard as fs
+from flatshard.api import get_state
+from parity_models import CASES, Block, TinyGPT, _lm_loss, _tokens, mesh_for
+
+STEPS = 4
+
+
+def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() if p.grad is not None else torch.zeros(0) for p in model.parameters()]
+
+
+def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(((x - y).abs().max().item() if x.numel() else 0.0) for x, y in zip(a, b))
+
+
+def _build(name: str, strategy: str, route: str, coalesce, mp):
+    from checkpoint_routes import ROUTES
+
+    case, rt = CASES[name], ROUTES[route]
+    torch.manual_seed(0)
+    model = case.build()
+    rt.before_shard(model)
+    fs.shard(
+        model, policy=rt.policy(case.policy()), strategy=strategy, mesh=mesh_for(strategy),
+        coalesce=coalesce, mixed_precision=mp,
+    )  # fmt: skip
+    rt.after_shard(model, case.policy())
+    return model
+
+
+def case_identical(
+    name: str, strategy: str = "full_shard", route: str = "none", bf16: bool = False
+) -> dict:
+    """Coalesced (default) and uncoalesced copies, same data: per-step differences."""
+    mp = fs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    models = [_build(name, strategy, route, c, mp) for c in (None, False)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    case, world, rank = CASES[name], dist.get_world_size(), dist.get_rank()
+    worst = {"grad": 0.0, "param": 0.0, "loss": 0.0}
+    calls = []
+    for step in range(STEPS):
+        batch = case.batch(torch.Generator().manual_seed(step), 2 * world).chunk(world)[rank]
+        losses, grads, counts = [], [], []
+        for model, opt in zip(models, opts):
+            fs.comm_stats(model, reset=True)
+            loss = case.loss(model, batch)
+            loss.backward()
+            grads.append(_grads(model))
+            opt.step(), opt.zero_grad()
+            losses.append(loss.item())
+            c = fs.comm_stats(model).calls
+            counts.append(
+                tuple(c.get(op, 0) for op in ("all_gather", "reduce_scatter", "all_reduce"))
+            )
+        worst["grad"] = max(worst["grad"], _max_diff(*grads))
+        worst["loss"] = max(worst["loss"], abs(losses[0] - losses[1]))
+        params = [[p.detach().clone() for p in m.parameters()] for m in models]
+        worst["param"] = max(worst["param"], _max_diff(*params))
+        calls.append(counts)
+    buckets = [[u.index for u in b.units] for b in get_state(models[0]).buckets]
+    return {**worst, "calls": calls, "buckets": buckets}
+
+
+SETUPS = [
+    ("gpt_tied", "full_shard", "none", False, 2),
+    ("gpt_tied", "full_shard", "none", False, 3),
+    ("gpt_tied", "shard_grad_op", "none", False, 3),
+    ("gpt_tied", "hybrid_shard", "none", False, 4),
+    ("gpt_tied", "full_shard", "none", True, 2),
+    ("gpt_nested_units", "full_shard", "none", False, 2),
+    ("gpt_tied_across_units", "full_shard", "none", False, 3),
+    ("lora", "full_shard", "none", False, 2),
+    ("unused", "full_shard", "none", False, 3),
+    ("reused_unit", "full_shard", "none", False, 2),
+    ("hf_llama", "full_shard", "none", False, 2),
+    ("gpt_tied", "full_shard", "around_reentrant", False, 2),
+    ("gpt_tied", "full_shard", "inside_nonreentrant", False, 2),
+    ("gpt_tied", "full_shard", "composable", False, 3),
+    ("hf_llama", "full_shard", "hf_nonreentrant", False, 2),
+]
+
+
+@pytest.mark.parametrize("name, strategy, route, bf16, world", SETUPS)
+def test_coalesced_equals_uncoalesced_bitwise(dist_pools, name, strategy, route, bf16, world):
+    results = dist_pools(world).run(case_identical, name, strategy, route, bf16)
+    for rank, r in enumerate(results):
+        label = f"{name} {strategy} {route} bf16={bf16} world {world} rank {rank}"
+        assert (r["grad"], r["param"], r["loss"]) == (0.0, 0.0, 0.0), f"{label}: {r}"
+    r = results[0]
+    if name not in ("lora", "reused_unit"):  # two units or one: nothing to coalesce
+        assert r["buckets"], f"{name}: no bucket was formed"
+        coalesced, plain = r["calls"][-1]
+        assert coalesced[0] < plain[0] and coalesced[1] < plain[1], r["calls"]
+        assert r["calls"][0][0] == r["calls"][0][1], "the first step must run uncoalesced"
+
+
+def case_plan(coalesce) -> dict:
+    """Buckets and the steady step's collectives of a 6-block TinyGPT."""
+    torch.manual_seed(0)
+    model = fs.shard(TinyGPT(layers=6), policy=fs.wrap.by_type(Block), coalesce=coalesce)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        fs.comm_stats(model, reset=True)
+        _lm_loss(model, _tokens(torch.Generator().manual_seed(step), 2)).backward()
+        opt.step(), opt.zero_grad()
+    state = get_state(model)
+    names = {id(m): n for n, m in model.named_modules()}
+    calls = fs.comm_stats(model).calls
+    return {
+        "buckets": [[names[id(u.module)] for u in b.units] for b in state.buckets],
+        "gathers": calls.get("all_gather", 0),
+        "reduces": calls.get("reduce_scatter", 0),
+        "block_bytes": sum(g.padded_numel * 4 for g in state.units[1].groups),
+    }
+
+
+def test_plan_follows_the_thresholds(dist_pools):
+    pool = dist_pools(2)
+    block = pool.run(case_plan, False)[0]["block_bytes"]
+    blocks = [f"blocks.{i}" for i in range(6)]
+    # Off: 7 units (root + 6 blocks), forward gathers 7, backward regathers the 6 blocks
+    # except the last of the forward (kept), 7 reductions.
+    off = pool.run(case_plan, False)[0]
+    assert (off["buckets"], off["gathers"], off["reduces"]) == ([], 12, 7)
+    # Buckets of at most two blocks: three buckets, each one collective.
+    two = pool.run(case_plan, fs.Coalesce(unit_bytes=block, bucket_bytes=2 * block))[0]
+    assert two["buckets"] == [blocks[0:2], blocks[2:4], blocks[4:6]]
+    assert (two["gathers"], two["reduces"]) == (1 + 3 + 3, 1 + 3)
+    # Units larger than unit_bytes stay alone.
+    none = pool.run(case_plan, fs.Coalesce(unit_bytes=block - 1))[0]
+    assert none["buckets"] == []
+    # Explicit buckets, whatever their sizes.
+    explicit = fs.Coalesce(unit_bytes=0, buckets=[blocks[1:4], blocks[4:6]])
+    named = pool.run(case_plan, explicit)[0]
+    assert named["buckets"] == [blocks[1:4], blocks[4:6]]
+    assert named["gathers"] == 1 + 3 + 3  # root, blocks.0, two buckets; backward: the same - root
+
+
+def case_bad_bucket_name() -> str:
+    torch.manual_seed(0)
+    try:
+        fs.shard(
+            TinyGPT(layers=2), policy=fs.wrap.by_type(Block),
+            coalesce=fs.Coalesce(buckets=[["blocks.0", "blocks.7"]]),
+        )  # fmt: skip
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def case_ranks_disagree() -> str:
+    torch.manual_seed(0)
+    coalesce = fs.Coalesce(unit_bytes=1 << 20 if dist.get_rank() == 0 else 1 << 21)
+    try:
+        fs.shard(copy.deepcopy(TinyGPT(layers=2)), policy=fs.wrap.by_type(Block), coalesce=coalesce)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_errors_name_the_value_and_the_fix(dist_pools):
+    pool = dist_pools(2)
+    for message in pool.run(case_bad_bucket_name):
+        assert "'blocks.7' is not a unit" in message and "blocks.1" in message, message
+    for message in pool.run(case_ranks_disagree):
+        assert "ranks disagree" in message and "coalesce=Coalesce(unit_bytes=" in message, message
+    with pytest.raises(ValueError, match="unit_bytes=-1"):
+        fs.Coalesce(unit_bytes=-1)
+    with pytest.raises(ValueError, match="fewer than two"):
+        fs.Coalesce(buckets=[["layers.0"]])
+    with pytest.raises(ValueError, match="appears in two buckets"):
+        fs.Coalesce(buckets=[["a", "b"], ["b", "c"]])
+    with pytest.raises(ValueError, match="list of module names"):
+        fs.Coalesce(buckets=["layers.0", "layers.1"])
