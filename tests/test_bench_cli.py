@@ -47,7 +47,9 @@ def test_bench_cli_tiny_launch(tmp_path, capsys):
     mem = data["flatshard_memory"]  # flatshard's own accounting, rank 0
     # AdamW: m and v per shard element, plus a 4-byte step counter per parameter
     assert mem["shard_bytes"] > 0 and 0 <= mem["optimizer_bytes"] - 2 * mem["shard_bytes"] < 4096
-    assert mem["gathered_peak_bytes"] >= mem["gathered_now_bytes"] > 0  # pooled buffers kept
+    # Two tiny blocks share one bucket (private buffers, none pooled): nothing is kept gathered
+    # between steps, and the peak holds at least the bucket.
+    assert mem["gathered_peak_bytes"] > mem["gathered_now_bytes"] == 0
     assert "flatshard/fsdp2" in capsys.readouterr().out
 
 

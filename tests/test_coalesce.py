@@ -113,7 +113,9 @@ def test_coalesced_equals_uncoalesced_bitwise(dist_pools, name, strategy, route,
 def case_plan(coalesce) -> dict:
     """Buckets and the steady step's collectives of a 6-block TinyGPT."""
     torch.manual_seed(0)
-    model = fs.shard(TinyGPT(layers=6), policy=fs.wrap.by_type(Block), coalesce=coalesce)
+    model = fs.shard(
+        TinyGPT(layers=6), policy=fs.wrap.by_type(Block), coalesce=coalesce, split_root=False
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(2):
         fs.comm_stats(model, reset=True)
