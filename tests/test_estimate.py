@@ -42,6 +42,9 @@ MEASURED = [  # (id, model, batch, seq, measure_step options): each peaks somewh
     ("prefetch-2-post", "tiny", 4, 128, {"prefetch": (2, "post")}),
     ("bf16", "small", 2, 128, {"precision": "bf16"}),
     ("bf16-reduce-fp32", "small", 2, 128, {"precision": "bf16", "reduce": "fp32"}),
+    # fs.shard(coalesce=False, split_root=False): one collective per unit, the root whole and
+    # kept gathered from forward into backward, the last block too.
+    ("uncoalesced-unsplit", "tiny", 4, 128, {"coalesce": False, "split_root": False}),
 ]
 
 
@@ -58,6 +61,8 @@ def test_estimate_matches_measured_memory(dist_pools, model, batch, seq, kw):
         optimizer_impl="forloop",  # torch.optim's default on CPU
         prefetch_forward=forward,
         prefetch_backward=backward,
+        coalesce=kw.get("coalesce", True),
+        split_root=kw.get("split_root", True),
     )
     work = Workload(batch, seq, act_ckpt=kw.get("act_ckpt", False), fused_norm=False)
     est = estimate_memory(ModelSpec.from_preset(model), layout, work)
@@ -146,7 +151,9 @@ def test_step_time_volumes_follow_the_strategy():
         for s in ("full_shard", "shard_grad_op", "no_shard")
     }
     f = 63 / 64
-    once = spec.root_params + spec.block_params  # the root and the last block stay gathered
+    # The root (the embedding: an untied head is in its tail) and the tail are gathered once;
+    # every block twice, the last one too (the tail starts the backward, see schedule.py).
+    once = spec.root_params
     assert times["full_shard"].all_gather_bytes == pytest.approx(
         (2 * spec.params - once) * 2 * f, rel=1e-4
     )
@@ -185,7 +192,8 @@ def test_cli_table_and_json(tmp_path, capsys):
     argv = ["--model", "tiny", "--world", "2", "--gpu", "cpu", "--batch", "4", "--seq", "128"]
     assert main([*argv, "--json", str(out)]) == 0
     table = capsys.readouterr().out
-    assert "peak (at backward block 3 mlp)" in table and "30.99" in table
+    assert "peak (at loss backward)" in table and "37.57" in table
+    assert "1 bucket(s) of 4 blocks, root + tail (lazy root)" in table
     data = json.loads(out.read_text())
     assert (
         data["memory_bytes"]["peak"]

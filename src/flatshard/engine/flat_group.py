@@ -124,6 +124,7 @@ class FlatGroup:
         self._chunk_spans: list[list[gloo_p2p.Span]] | None = None  # see _reduce_scatter
         self._views: list[torch.Tensor] = []  # full_views of ``_views_of`` (a ``full``)
         self._views_of: torch.Tensor | None = None
+        self.shared = None  # a buckets.SharedStorage holding ``_private``, if coalesced
         self.free_full()
 
     def _fragments(self, params: list[nn.Parameter]) -> list[ParamSpec]:
@@ -149,7 +150,16 @@ class FlatGroup:
     # (see [Note: gather buffers and saved tensors] in gather_pool.py).
     @property
     def is_allocated(self) -> bool:
+        if self.shared is not None:
+            return self.shared.holds(self)
         return self._borrowed is not None or self._private.untyped_storage().nbytes() > 0
+
+    def share_storage(self, shared, view: torch.Tensor) -> None:
+        """Use ``view`` of a bucket's storage as the private buffer (see buckets.py): the
+        storage is allocated while any member holds it and freed when none does."""
+        self.shared, self.pool = shared, None
+        self._private = self.full = view
+        self._views, self._views_of = [], None
 
     @property
     def is_pooled(self) -> bool:
@@ -176,6 +186,9 @@ class FlatGroup:
             self._resize_private(0)
 
     def _resize_private(self, nbytes: int) -> None:
+        if self.shared is not None:
+            self.shared.hold(self) if nbytes else self.shared.release(self)
+            return
         storage = self._private.untyped_storage()
         if self.account is not None:
             self.account.change(nbytes - storage.nbytes())

@@ -116,7 +116,8 @@ class ShardedState:
     def gathered_buffers(self) -> list[torch.Tensor]:
         """Every buffer that holds (or is kept for) gathered parameters now (accounting)."""
         groups = [g for u in self.units for g in u.groups if not (g.is_pooled or g.replicated)]
-        out = [g.full for g in groups if g.full.untyped_storage().nbytes()]
+        out = [g.full for g in groups if g.shared is None and g.full.untyped_storage().nbytes()]
+        out += [s.buffer for b in self.buckets for s in b.storages if s.allocated]
         return out + (self.pool.buffers() if self.pool is not None else [])
 
     # ---- coalescing --------------------------------------------------------------------------
@@ -128,7 +129,10 @@ class ShardedState:
             return
         lines = [f"bucket {' '.join(str(u.index) for u in b)}" for b in buckets]
         check_ranks_agree(lines, dist.group.WORLD)
-        self.buckets = [Bucket(i, b, self.topology, self.stats) for i, b in enumerate(buckets)]
+        self.buckets = [
+            Bucket(i, b, self.topology, self.stats, self.pool, self.gathered_bytes)
+            for i, b in enumerate(buckets)
+        ]
 
     def _plan_buckets(self) -> None:
         """After the first iteration: buckets from the recorded forward order."""

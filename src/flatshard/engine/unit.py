@@ -50,7 +50,7 @@ class GradState:
     # Per group: the flat gradient, or the per-parameter gradients themselves when they are
     # reduced without a flat copy (``FlatGroup.reduces_pieces``), or None before any.
     flat_grads: list[torch.Tensor | tuple | None] = field(default_factory=list)
-    used: list[torch.Tensor] = field(default_factory=list)  # per group: bool per parameter
+    used: list[list[bool]] = field(default_factory=list)  # per group: bool per parameter
 
 
 @dataclass
@@ -137,7 +137,7 @@ class Unit:
         self.on_demand_views = None
         self.grad.pending_nodes = 0
         self.grad.flat_grads = [None] * len(self.groups)
-        self.grad.used = [torch.zeros(len(g.specs), dtype=torch.bool) for g in self.groups]
+        self.grad.used = [[False] * len(g.specs) for g in self.groups]
 
     def has_unreduced_grads(self) -> bool:
         """Flat gradients accumulated under ``no_sync`` that still await their reduction."""
@@ -200,13 +200,16 @@ class Unit:
             if all(g is None for g in mine):
                 continue
             previous = self.grad.flat_grads[gi]
-            pieces = reduce_now and self.bucket is None and group.reduces_pieces(topology, p2p)
+            # A bucket writes the pieces straight into its chunked buffer (buckets.py).
+            pieces = reduce_now and (self.bucket is not None or group.reduces_pieces(topology, p2p))
             if previous is None and pieces:
                 self.grad.flat_grads[gi] = tuple(mine)  # reduced without a flat copy
             else:
                 flat = group.flat_grad_from(mine)
                 self.grad.flat_grads[gi] = flat if previous is None else previous.add_(flat)
-            self.grad.used[gi] |= torch.tensor([g is not None for g in mine])
+            used = self.grad.used[gi]
+            for i, g in enumerate(mine):
+                used[i] = used[i] or g is not None
 
     def start_reduce(self, topology: Topology, stats: CommStats) -> list[PendingReduce]:
         """Start averaging each trainable group's gradient over the data-parallel ranks (zeros
@@ -223,9 +226,8 @@ class Unit:
         out = []
         for gi in self.trainable_groups:
             group, flat = self.groups[gi], self.grad.flat_grads[gi]
-            out.append(
-                (group, group.zeros_flat_grad() if flat is None else flat, self.grad.used[gi])
-            )
+            used = torch.tensor(self.grad.used[gi], dtype=torch.bool)
+            out.append((group, group.zeros_flat_grad() if flat is None else flat, used))
         self.reset_grad_state()
         return out
 

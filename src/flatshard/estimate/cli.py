@@ -63,6 +63,8 @@ def _layout_options(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--optimizer-impl", choices=("foreach", "forloop", "fused"), help=impl_help)
     g.add_argument("--prefetch-forward", type=int, default=1, help="fs.Prefetch(forward=)")
     g.add_argument("--prefetch-backward", choices=("pre", "post", "none"), default="pre")
+    g.add_argument("--no-coalesce", action="store_true", help="fs.shard(coalesce=False)")
+    g.add_argument("--no-split-root", action="store_true", help="fs.shard(split_root=False)")
     g.add_argument("--act-ckpt", action="store_true", help="checkpoint every block")
     g.add_argument("--attention", choices=("flash", "math"), default="flash")
     fused_help = "RMSNorm kernel that saves input+rstd only (default: yes on GPUs)"
@@ -110,6 +112,8 @@ def _inputs(args: argparse.Namespace) -> tuple[ModelSpec, Layout, Workload]:
         prefetch_forward=args.prefetch_forward,
         prefetch_backward=args.prefetch_backward,
         backend=args.backend or ("gloo" if cpu else "nccl"),
+        coalesce=not args.no_coalesce,
+        split_root=not args.no_split_root,
     )
     fused = args.fused_norm == "yes" if args.fused_norm else not cpu
     work = Workload(args.batch, args.seq or spec.max_seq, args.act_ckpt, args.attention, fused)
@@ -157,7 +161,8 @@ def _measure(args: argparse.Namespace, report: Report) -> dict[str, int]:
     return spawn_measure(lay.world, model_name=args.model, batch=work.batch, seq=work.seq,
                          strategy=lay.strategy, act_ckpt=work.act_ckpt,
                          prefetch=(lay.prefetch_forward, lay.prefetch_backward),
-                         precision=lay.precision.name, reduce=lay.precision.reduce)[0]  # fmt: skip
+                         precision=lay.precision.name, reduce=lay.precision.reduce,
+                         coalesce=lay.coalesce, split_root=lay.split_root)[0]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

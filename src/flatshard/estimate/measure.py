@@ -88,11 +88,14 @@ def build(
     prefetch: tuple[int, str] = (1, "pre"),
     precision: str = "fp32",
     reduce: str | None = None,
+    coalesce: bool = True,
+    split_root: bool = True,
     seed: int = 0,
 ) -> tuple[nn.Module, torch.optim.Optimizer, int]:
     """The reference GPT preset ``model_name`` sharded one unit per ``Block`` (optionally
     ``fs.checkpoint_activations`` on every block; ``precision="bf16"``:
-    ``fs.MixedPrecision(param_dtype=bf16, reduce_dtype=reduce or bf16)``), its AdamW, its vocab."""
+    ``fs.MixedPrecision(param_dtype=bf16, reduce_dtype=reduce or bf16)``), its AdamW, its vocab.
+    ``coalesce``/``split_root``: ``False`` is passed to ``fs.shard``; otherwise its defaults."""
     import flatshard as fs
     from flatshard.models import GPT, Block, GPTConfig
 
@@ -104,8 +107,10 @@ def build(
         mp = fs.MixedPrecision(
             param_dtype=dtypes[precision], reduce_dtype=dtypes[reduce or precision]
         )
+    off = {name: False for name, on in (("coalesce", coalesce), ("split_root", split_root))
+           if not on}  # fmt: skip
     model = fs.shard(GPT(cfg), policy=fs.wrap.by_type(Block), strategy=strategy,
-                     prefetch=fs.Prefetch(*prefetch), mixed_precision=mp)  # fmt: skip
+                     prefetch=fs.Prefetch(*prefetch), mixed_precision=mp, **off)  # fmt: skip
     if act_ckpt:
         fs.checkpoint_activations(model, fs.wrap.by_type(Block))
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3), cfg.vocab_size
@@ -130,7 +135,7 @@ def measure_step(
         opt.zero_grad(set_to_none=True)
 
     step()
-    step()  # steady state: the first step records the order, the second prefetches (pool)
+    step()  # steady state: the first step records the order; from the second, prefetch and buckets
     state_tensors = [v for s in opt.state.values() for v in s.values()]
     static = {"parameters": _bytes(model.parameters()), "optimizer": _bytes(state_tensors),
               "buffers": _bytes(model.buffers())}  # fmt: skip

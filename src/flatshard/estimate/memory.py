@@ -2,17 +2,16 @@
 
 [Note: the replay]
 The step is replayed at the moments where memory can peak (each block's forward, the loss, its
-backward, each block's MLP backward and post-backward, the root's post-backward, the end of
-backward, the optimizer step). At each moment the live bytes are summed by category from what
-flatshard holds then: gathered units (the root and the last block from their forward to their
-backward; under full_shard the current block and those ``fs.Prefetch`` gathers ahead, whose
-low-precision send copies live until waited on; under shard_grad_op and no_shard every block not
-yet reduced), the saved
-activations still alive, the gradient of the unit being reduced (per-parameter autograd
-gradients, their casts, the flat copy), up to ``max_inflight_reduces`` flat gradients in flight,
-and the gradient shards produced so far (in the reduce dtype until the end of backward casts
-them into the fp32 ``.grad``). Steady state: the optimizer state exists and ``.grad`` was set
-to ``None`` after the previous step.
+backward, the head's backward when the lazy root is regathered for it, each block's MLP
+backward and post-backward, the root's and the tail's post-backward, the end of backward, the
+optimizer step). At each moment the live bytes are summed by category from what flatshard
+holds then: gathered units and the buffers of gathers in flight (``schedule.py``, from the
+units of ``units.py``), the saved activations still alive, the gradient of the unit being
+reduced (per-parameter autograd gradients, their casts, the flat copy), the flat gradients
+waiting for their bucket or in flight and the gradient shards produced so far
+(``reductions.py``; in the reduce dtype until the end of backward casts them into the fp32
+``.grad``). Steady state: the optimizer state exists and ``.grad`` was set to ``None`` after
+the previous step.
 """
 
 from __future__ import annotations
@@ -20,10 +19,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from ..comm.gloo_p2p import MAX_P2P_WORLD
-from ..engine.flat_group import PIECES_MIN_BYTES
 from .activations import FP32, Activations, activations
+from .reductions import Reductions, largest_piece
+from .schedule import gathers
 from .spec import Layout, ModelSpec, Workload
+from .units import Units, plan_units
 
 __all__ = ["MemoryEstimate", "Phase", "estimate_memory"]
 
@@ -75,95 +75,41 @@ class MemoryEstimate:
 
 @dataclass(frozen=True)
 class _Step:
-    """Element counts of the root and block units for a layout, and the byte widths."""
+    """The units of a layout, what is gathered when, and the byte widths."""
 
     spec: ModelSpec
     layout: Layout
+    work: Workload
     act: Activations
     kept: int  # bytes a finished block keeps until its backward
+    units: Units
+    moments: dict[str, Parts]  # gathered bytes per moment (schedule.gathers)
 
     @property
     def L(self) -> int:
         return self.spec.layers
 
-    def pad(self, root: bool) -> int:
-        return self.layout.padded(self.spec.root_params if root else self.spec.block_params)
-
-    def shard(self, root: bool) -> int:
-        return self.pad(root) // self.layout.shard_world
-
-    @property
-    def shards(self) -> int:
-        return self.shard(True) + self.L * self.shard(False)
-
-    @property
-    def used(self) -> int:
-        """Parameter elements in rank 0's shards (padding excluded)."""
-        s = self.spec
-        return min(s.root_params, self.shard(True)) + self.L * min(
-            s.block_params, self.shard(False)
-        )
-
-    @property
-    def sharded(self) -> bool:
-        return self.layout.shard_world > 1
-
-    def reduces_pieces(self, root: bool) -> bool:
-        """Reduced straight from the per-parameter gradients, without a flat copy (flatshard's
-        Gloo point-to-point path: ``FlatGroup.reduces_pieces``). Reductions in flight then hold
-        those gradients instead of a flat copy: the same bytes."""
-        lay = self.layout
-        p2p = lay.backend == "gloo" and 2 <= lay.shard_world <= MAX_P2P_WORLD
-        return p2p and self.pad(root) * lay.precision.flat >= PIECES_MIN_BYTES
+    def gathered(self, moment: str) -> Parts:
+        return self.moments[moment]
 
     @property
     def cast_grads(self) -> bool:
         """Gradients are reduced in another dtype than the fp32 ``.grad`` they end up in."""
         return self.layout.precision.flat != self.layout.precision.grad
 
-    def gathered(self, blocks: int, ahead: int = 0) -> Parts:
-        """The root and ``blocks`` gathered block units; ``ahead`` of them still in flight keep
-        their low-precision send copy of the shard."""
-        p = self.layout.precision
-        if not self.sharded and p.param == p.master:
-            return {"gathered": 0}  # no_shard in fp32: the parameters are used in place
-        sends = ahead * self.shard(False) * p.param if self.sharded and p.param != p.master else 0
-        return {"gathered": (self.pad(True) + blocks * self.pad(False)) * p.param,
-                "gather_inputs": sends}  # fmt: skip
-
-    def reducing(self, done: int, root: bool) -> Parts:
-        """Post-backward of a unit after ``done`` blocks were reduced: per-parameter gradients
-        are cast (if needed) and concatenated (the casts are freed before the new gradient
-        shard is allocated), the flat gradient launched, the oldest reduction waited for beyond
-        ``max_inflight_reduces``. no_shard: the flat gradient is the gradient shard."""
-        p, numel = self.layout.precision, self.spec.root_params if root else self.spec.block_params
-        casts = numel * p.flat if p.flat != p.param else 0
-        if not self.sharded:
-            return {"gradients": (done * self.pad(False) + self.pad(root)) * p.flat,
-                    "flat_grads": casts}  # fmt: skip
-        older = min(self.layout.max_inflight_reduces, done)
-        current = 0 if self.reduces_pieces(root) else self.pad(root)  # the flat copy
-        flats = (older * self.pad(False) + current) * p.flat
-        new = self.shard(root) * p.flat  # the larger of the two is the moment's peak
-        return {"gradients": done * self.shard(False) * p.flat + (new if new >= casts else 0),
-                "flat_grads": flats + (casts if casts > new else 0)}  # fmt: skip
-
-    @property
-    def keep_all(self) -> bool:
-        """Blocks stay gathered from their forward to their backward (no reshard)."""
-        return self.layout.strategy in ("shard_grad_op", "no_shard")
-
     def final_grads(self) -> int:
         """``.grad`` after backward: views of the gradient shards, or fp32 copies of the
         fragments (no padding) when they were reduced in another dtype."""
-        p = self.layout.precision
-        return self.used * p.grad if self.cast_grads else self.shards * p.grad
+        p, units = self.layout.precision, self.units
+        return units.used * p.grad if self.cast_grads else units.shards * p.grad
 
 
 def estimate_memory(spec: ModelSpec, layout: Layout, work: Workload) -> MemoryEstimate:
     """Replay one training step (see [Note: the replay]) and report the components and peak."""
     act = activations(spec, layout, work)
-    step = _Step(spec, layout, act, act.block_input if work.act_ckpt else act.block)
+    units = plan_units(spec, layout)
+    kept = act.block_input if work.act_ckpt else act.block
+    step = _Step(spec, layout, work, act, kept, units, gathers(units, layout))
     static = _static(step)
     parts = [*_forward(step, work), *_backward(step), *_finish(step)]
     phases = tuple(Phase(name, {**static, **part}) for name, part in parts)
@@ -187,50 +133,71 @@ def _static(step: _Step) -> Parts:
     tensors = spec.root_tensors + spec.layers * spec.block_tensors
     step_bytes = FP32 * tensors if layout.optimizer == "adamw" else 0
     return {
-        "parameters": step.shards * layout.precision.master,
-        "optimizer": step.used * layout.optimizer_bytes + step_bytes,
+        "parameters": step.units.shards * layout.precision.master,
+        "optimizer": step.units.used * layout.optimizer_bytes + step_bytes,
         "buffers": spec.max_seq * (spec.hidden // spec.heads) * FP32,
     }
 
 
 def _forward(step: _Step, work: Workload) -> Iterator[tuple[str, Parts]]:
-    """Each block's forward (current + prefetched units), then the loss."""
-    L, act, ahead = step.L, step.act, step.layout.prefetch_forward
-    keep_all = step.keep_all
+    """Each block's forward, the loss, its backward and (lazy root, tied head) the head's."""
+    L, act = step.L, step.act
     current = act.block_input + act.mlp_workspace if work.act_ckpt else act.block  # rough if ckpt
     for i in range(L):
-        early = min(ahead, L - 1 - i)
-        blocks = i + 1 + early if keep_all else 1 + early
+        before = i * step.kept + act.block_input + act.fixed  # block i's input is alive
+        yield f"forward block {i} gather", {**step.gathered(f"forward block {i} gather"),
+                                            "activations": before}  # fmt: skip
         acts = i * step.kept + current + act.fixed
-        yield f"forward block {i}", {**step.gathered(blocks, early), "activations": acts}
+        yield f"forward block {i}", {**step.gathered(f"forward block {i}"), "activations": acts}
     saved = L * step.kept + act.head + act.fixed
-    # The last block of the forward stays gathered into the backward (its backward comes first).
-    last = L if keep_all else 1
-    yield "loss", {**step.gathered(last), "activations": saved, "workspace": act.logits}
-    yield "loss backward", {**step.gathered(last), "activations": saved,
+    yield "loss", {**step.gathered("loss"), "activations": saved, "workspace": act.logits}
+    yield "loss backward", {**step.gathered("loss backward"), "activations": saved,
                             "workspace": act.logits_grads}  # fmt: skip
+    if step.units.root_regathered:
+        yield "head backward", _head_backward(step, saved)
+
+
+def _head_backward(step: _Step, saved: int) -> Parts:
+    """``lm_head``'s backward, where the lazy root is regathered for its tied weight: the
+    fp32 log-softmax was freed by its backward; the logits' gradient, the head's input
+    gradient and its weight gradient are alive."""
+    spec, p, n = step.spec, step.layout.precision, step.work.tokens
+    return {
+        **step.gathered("head backward"),
+        "activations": saved - n * spec.vocab * FP32,
+        "workspace": n * (spec.vocab + spec.hidden) * p.act,
+        "unit_grads": spec.vocab * spec.hidden * p.param,
+    }
 
 
 def _backward(step: _Step) -> Iterator[tuple[str, Parts]]:
-    """Two moments per block, last block first (its MLP backward, its post-backward), then
-    the root's post-backward."""
-    spec, p, act, L = step.spec, step.layout.precision, step.act, step.L
-    held_root = (spec.vocab * spec.hidden + spec.hidden) * p.param  # lm_head + norm grads
-    keep_all = step.keep_all
-    for i in reversed(range(L)):
-        done = L - 1 - i  # blocks already reduced
-        early = int(step.layout.prefetch_backward == "pre" and i > 0 and not keep_all)
-        gathered = step.gathered(i + 1 if keep_all else 1 + early, early)
-        older = min(step.layout.max_inflight_reduces, done) if step.sharded else 0
+    """Three moments per block, last block first (its pre-backward's gather, its MLP backward,
+    its post-backward), then the root's post-backward and the tail's (last: see [Note: the
+    gather replay])."""
+    spec, p, act, units = step.spec, step.layout.precision, step.act, step.units
+    # The head's and the final norm's gradients wait for the root's and the tail's reduction.
+    held_root = (spec.vocab * spec.hidden + spec.hidden) * p.param
+    grads = Reductions(units, step.layout)
+    for i in reversed(range(step.L)):
+        yield (
+            f"backward block {i} gather",
+            {
+                **step.gathered(f"backward block {i} gather"),
+                **grads.between(),
+                "activations": (i + 1) * step.kept + act.fixed,  # the head's were freed
+                "workspace": act.grad_input,
+                "unit_grads": held_root,
+            },
+        )
+        gathered = step.gathered(f"backward block {i}")
         yield (
             f"backward block {i} mlp",
             {
                 **gathered,
-                "gradients": done * step.shard(False) * p.flat,
+                **grads.between(),
                 "activations": i * step.kept + act.block + act.fixed,
                 "workspace": act.mlp_workspace,
                 "unit_grads": held_root + spec.hidden * spec.ffn * p.param,  # + down_proj's
-                "flat_grads": older * step.pad(False) * p.flat,
             },
         )
         yield (
@@ -240,20 +207,28 @@ def _backward(step: _Step) -> Iterator[tuple[str, Parts]]:
                 "activations": i * step.kept + act.fixed,
                 "workspace": act.grad_input,
                 "unit_grads": held_root + spec.block_params * p.param,
-                **step.reducing(done, root=False),
+                **grads.post_backward(units.block, i),
             },
         )
     root_grads = (2 * spec.vocab * spec.hidden + spec.hidden) * p.param  # head + embedding
-    yield "backward root", {**step.gathered(0), "activations": act.fixed,
-                            "unit_grads": root_grads, **step.reducing(L, root=True)}  # fmt: skip
+    root = grads.post_backward(units.root)
+    yield "backward root", {**step.gathered("backward root"), "activations": act.fixed,
+                            "unit_grads": root_grads, **root}  # fmt: skip
+    if units.tail is not None:
+        yield "backward tail", {**step.gathered("backward tail"), "activations": act.fixed,
+                                "unit_grads": units.tail.numel * p.param,
+                                **grads.post_backward(units.tail)}  # fmt: skip
 
 
 def _finish(step: _Step) -> Iterator[tuple[str, Parts]]:
-    """End of backward (gradient shards cast into ``.grad``) and the optimizer step."""
+    """End of backward (gradient shards cast into ``.grad``) and the optimizer step; the gather
+    pool's free buffers are still there."""
     p = step.layout.precision
-    if step.cast_grads:
-        yield "end of backward", {"gradients": step.shards * p.flat + step.final_grads()}
-    yield "optimizer step", {"gradients": step.final_grads(), "optimizer_temp": _opt_temp(step)}
+    shards = step.units.shards * p.flat
+    end = shards + step.final_grads() if step.cast_grads else shards
+    yield "end of backward", {**step.gathered("end of backward"), "gradients": end}
+    yield "optimizer step", {**step.gathered("optimizer step"), "gradients": step.final_grads(),
+                             "optimizer_temp": _opt_temp(step)}  # fmt: skip
 
 
 def _opt_temp(step: _Step) -> int:
@@ -263,16 +238,5 @@ def _opt_temp(step: _Step) -> int:
     if layout.optimizer != "adamw" or layout.optimizer_impl == "fused":
         return 0
     if layout.optimizer_impl == "foreach":
-        return step.shards * FP32
-    largest = max(_largest_fragment(step.spec.root_sizes, step.shard(True)),
-                  _largest_fragment(step.spec.block_sizes, step.shard(False)))  # fmt: skip
-    return 2 * largest * FP32
-
-
-def _largest_fragment(sizes: list[int], shard: int) -> int:
-    """Largest piece of one parameter among the first ``shard`` flat elements (rank 0)."""
-    best, offset = 0, 0
-    for n in sizes:
-        best = max(best, min(offset + n, shard) - min(offset, shard))
-        offset += n
-    return best
+        return step.units.shards * FP32
+    return 2 * max(largest_piece(u.sizes, u.shard) for u in step.units.all) * FP32

@@ -9,6 +9,7 @@ from .devices import Device
 from .memory import MemoryEstimate
 from .spec import Layout, ModelSpec, Workload
 from .steptime import StepTime
+from .units import plan_units
 
 __all__ = ["Report", "format_table", "to_json"]
 
@@ -55,10 +56,23 @@ def _header(r: Report) -> list[str]:
         f"vocab {s.vocab} {tied}",
         f"layout  world {lay.world}, {lay.strategy} ({shard}), {p.name} "
         f"(reduce {p.reduce or p.name}), "
-        f"{lay.optimizer}, {lay.backend}",
+        f"{lay.optimizer}, {lay.backend}, {_units(r)}",
         f"batch   {w.batch} x {w.seq} tokens per rank, {w.attention} attention"
         + (", activation checkpointing" if w.act_ckpt else ""),
     ]
+
+
+def _units(r: Report) -> str:
+    """What fs.shard's coalesce/split_root defaults make of the blocks and the root."""
+    units = plan_units(r.spec, r.layout)
+    if units.buckets:
+        sizes = "/".join(str(n) for n in sorted({len(b) for b in units.buckets}, reverse=True))
+        buckets = f"{len(units.buckets)} bucket(s) of {sizes} blocks"
+    else:
+        buckets = "no bucket" if r.layout.coalesce else "coalesce off"
+    if units.tail is None:
+        return f"{buckets}, root whole"
+    return f"{buckets}, root + tail" + (" (lazy root)" if units.lazy_root else "")
 
 
 def format_table(r: Report) -> str:

@@ -215,12 +215,20 @@ class Layout:
     prefetch_forward: int = 1
     """Units gathered ahead in forward (``fs.Prefetch(forward=...)``); each holds memory."""
     prefetch_backward: str = "pre"
-    """``fs.Prefetch(backward=...)``: ``pre`` gathers the next unit as a unit's backward starts
-    (two block units gathered), ``post``/``none`` after it finished (one)."""
+    """``fs.Prefetch(backward=...)``: ``pre`` gathers the next unit (a bucket counts as one) as
+    a unit's backward starts, ``post`` after it finished, ``none`` when its backward starts."""
     backend: str = "nccl"
     """``nccl`` or ``gloo``. On Gloo groups of more than 8 ranks flatshard reduce-scatters as an
     in-place all-reduce of the flat gradient (faster there), which moves twice the bus bytes;
     up to 8 it uses a point-to-point ring (``gloo_p2p``), the same bytes as NCCL's."""
+    coalesce: bool = True
+    """``fs.shard(coalesce=...)``: ``True`` is ``fs.Coalesce()`` (blocks of at most 2 MiB
+    gathered share collectives, in buckets of at most 8 MiB); ``False`` gathers and reduces
+    every unit alone."""
+    split_root: bool = True
+    """``fs.shard(split_root=...)``: the final norm and an untied head are a unit of their own
+    (the root's tail), and under full_shard/hybrid_shard the rest of the root is released after
+    forward (see [Note: the estimator's units] in ``units.py``)."""
 
     def __post_init__(self) -> None:
         _positive("world", self.world)

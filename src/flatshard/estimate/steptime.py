@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 from ..comm.gloo_p2p import MAX_P2P_WORLD
 from .devices import Device
+from .schedule import gathered_per_step
 from .spec import Layout, ModelSpec, Workload
+from .units import Units, plan_units
 
 __all__ = ["StepTime", "estimate_time"]
 
@@ -25,8 +27,9 @@ class StepTime:
     compute_s: float
     """``flops / (peak * mfu)``."""
     all_gather_bytes: float
-    """Bus bytes per rank: full_shard gathers the root and the last block once, every other
-    block twice (forward and backward)."""
+    """Bus bytes per rank of every gather the step's replay starts (``schedule.py``): under
+    full_shard the root (again in backward for a tied head), its tail once, and every block
+    twice (forward and backward; the last one once without a tail)."""
     reduce_scatter_bytes: float
     all_reduce_bytes: float
     """no_shard's gradient all-reduce; hybrid_shard's all-reduce of gradient shards."""
@@ -41,14 +44,11 @@ class StepTime:
     """Achieved model FLOPs utilisation including exposed communication."""
 
 
-def _volumes(spec: ModelSpec, layout: Layout) -> tuple[float, float, float]:
+def _volumes(units: Units, layout: Layout) -> tuple[float, float, float]:
     """(all-gather, reduce-scatter, all-reduce) bus bytes per rank per step."""
-    w, p, L = layout.shard_world, layout.precision, spec.layers
-    pad_root, pad_block = layout.padded(spec.root_params), layout.padded(spec.block_params)
-    flat = pad_root + L * pad_block
-    # full_shard: every block twice except the last of the forward, kept into the backward.
-    twice = layout.strategy in ("full_shard", "hybrid_shard")
-    gather_elems = pad_root + (2 * L - 1 if twice else L) * pad_block
+    w, p = layout.shard_world, layout.precision
+    flat = sum(u.pad for u in units.all)  # every unit reduced once (a bucket: the same bytes)
+    gather_elems = gathered_per_step(units, layout) if w > 1 else 0
     f = (w - 1) / w
     # Gloo beyond gloo_p2p's ring (more than 8 ranks): an all-reduce of the flat gradient.
     rs_factor = 2 if layout.backend == "gloo" and w > MAX_P2P_WORLD else 1
@@ -69,9 +69,10 @@ def estimate_time(
     inter_gbps: float | None = None,
     overlap: float | None = None,
 ) -> StepTime:
-    """Step time on ``device``. The first all-gather (root + first block) and the last
-    reduce-scatter (root) cannot overlap anything; ``overlap`` (default: the device's) of the
-    rest hides under compute, and whatever exceeds the compute time stays exposed."""
+    """Step time on ``device``. The first all-gathers (the root, its tail and the first block
+    or bucket) and the last reduce-scatters (the root and its tail) cannot overlap anything;
+    ``overlap`` (default: the device's) of the rest hides under compute, and whatever exceeds
+    the compute time stays exposed."""
     mfu = device.mfu if mfu is None else mfu
     overlap = device.overlap if overlap is None else overlap
     if not 0 < mfu <= 1 or not 0 <= overlap <= 1:
@@ -82,10 +83,12 @@ def estimate_time(
     inter = (inter_gbps or device.inter_gbps) * 1e9
     shard_bw = intra if layout.shard_world <= device.per_node else inter
     replicate_bw = intra if layout.world <= device.per_node else inter
-    ag, rs, ar = _volumes(spec, layout)
+    units = plan_units(spec, layout)
+    ag, rs, ar = _volumes(units, layout)
     comm = (ag + rs) / shard_bw + ar / replicate_bw
     f = (layout.shard_world - 1) / layout.shard_world
-    root, block = layout.padded(spec.root_params), layout.padded(spec.block_params)
+    root = units.root.pad + (units.tail.pad if units.tail else 0)
+    block = units.block.pad * len(units.bucket_of(0) or (0,))
     first = (root + block) * layout.precision.param * f / shard_bw
     last = root * layout.precision.flat * f / shard_bw
     rest = max(0.0, comm - first - last)

@@ -1,0 +1,123 @@
+"""The units flatshard builds for the reference GPT under a layout, as element counts.
+
+[Note: the estimator's units]
+``fs.shard(GPT(cfg), policy=fs.wrap.by_type(Block))`` with the engine's defaults makes one unit
+per block and the root unit, which owns what no block owns:
+
+* ``split_root=True`` (default; ``engine/root_split.py``): the root's parameters used only after
+  the last block (the final norm, and an untied head) form a second unit over the root module,
+  the *tail*. A tied head is the embedding's parameter, so it stays in the root.
+* With a tail, under full_shard/hybrid_shard, the root is *lazy* (``engine/lazy_root.py``):
+  released after the forward and regathered in backward only when a saved tensor views it. A
+  tied head's weight is saved by ``lm_head``, so the root is regathered at the head's backward
+  and held to the end; an untied model's root (the embedding, whose backward reads no weight)
+  is never regathered.
+* Coalescing (``fs.Coalesce()`` defaults, ``engine/buckets.py``): from the second step on, runs
+  of consecutive blocks of at most ``unit_bytes`` gathered each are *buckets* of at most
+  ``bucket_bytes``; the root and the tail are never coalesced, and neither is anything under
+  no_shard. A bucket gathers all its sharded members at once into private buffers (not the
+  gather pool) and reduces once its last member's backward is done.
+
+Sizes are padded to a multiple of the shard group as ``engine.layout`` pads them (the 16-byte
+alignment gaps between parameters are left out: none in the presets).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..coalesce import Coalesce
+from .spec import Layout, ModelSpec
+
+__all__ = ["Unit", "Units", "plan_units"]
+
+COALESCE = Coalesce()  # fs.shard's default
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One unit: its parameters' sizes in flat order, padded and per-rank element counts."""
+
+    name: str
+    sizes: tuple[int, ...]
+    pad: int
+    shard: int
+
+    @property
+    def numel(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def used(self) -> int:
+        """Parameter elements in rank 0's shard (the padding lies at the end, on the last rank)."""
+        return min(self.numel, self.shard)
+
+
+@dataclass(frozen=True)
+class Units:
+    """The units of one layout and how the engine treats them."""
+
+    root: Unit
+    tail: Unit | None
+    """The root's tail (final norm, untied head); ``None`` with ``split_root=False``."""
+    block: Unit
+    layers: int
+    buckets: tuple[tuple[int, ...], ...]
+    """Block indices of each bucket (forward order); blocks in none are gathered alone."""
+    lazy_root: bool
+    """The root reshards after forward (see the Note)."""
+    root_regathered: bool
+    """The lazy root is gathered again in backward (a tied head's saved weight)."""
+
+    @property
+    def all(self) -> list[Unit]:
+        """Every unit once per instance (blocks ``layers`` times)."""
+        return [self.root, *([self.tail] if self.tail else []), *[self.block] * self.layers]
+
+    @property
+    def shards(self) -> int:
+        return sum(u.shard for u in self.all)
+
+    @property
+    def used(self) -> int:
+        return sum(u.used for u in self.all)
+
+    def bucket_of(self, block: int) -> tuple[int, ...] | None:
+        return next((b for b in self.buckets if block in b), None)
+
+
+def plan_units(spec: ModelSpec, layout: Layout) -> Units:
+    """The units ``fs.shard`` builds for ``spec`` under ``layout`` (see the Note)."""
+    v, c = spec.vocab * spec.hidden, spec.hidden
+    head = () if spec.tied else (v,)
+    if layout.split_root:
+        root, tail = _unit(layout, "root", (v,)), _unit(layout, "tail", (c, *head))
+    else:
+        root, tail = _unit(layout, "root", (v, c, *head)), None
+    block = _unit(layout, "block", tuple(spec.block_sizes))
+    lazy = tail is not None and layout.strategy in ("full_shard", "hybrid_shard")
+    return Units(
+        root=root,
+        tail=tail,
+        block=block,
+        layers=spec.layers,
+        buckets=_buckets(block.pad * layout.precision.param, spec.layers, layout),
+        lazy_root=lazy,
+        root_regathered=lazy and spec.tied,
+    )
+
+
+def _unit(layout: Layout, name: str, sizes: tuple[int, ...]) -> Unit:
+    pad = layout.padded(sum(sizes))
+    return Unit(name, sizes, pad, pad // layout.shard_world)
+
+
+def _buckets(block_bytes: int, layers: int, layout: Layout) -> tuple[tuple[int, ...], ...]:
+    """``engine.buckets.plan_buckets`` on the forward order (tail, root, blocks): the root and
+    the tail cut runs, so only the blocks, all of one size, can form buckets."""
+    coalescible = layout.coalesce and layout.strategy != "no_shard" and layout.shard_world > 1
+    if not coalescible or block_bytes > COALESCE.unit_bytes:
+        return ()
+    per_bucket = max(1, COALESCE.bucket_bytes // block_bytes)
+    runs = [tuple(range(i, min(i + per_bucket, layers))) for i in range(0, layers, per_bucket)]
+    return tuple(run for run in runs if len(run) > 1)
