@@ -140,10 +140,11 @@ def test_plan_follows_the_thresholds(dist_pools):
     # except the last of the forward (kept), 7 reductions.
     off = pool.run(case_plan, False)[0]
     assert (off["buckets"], off["gathers"], off["reduces"]) == ([], 12, 7)
-    # Buckets of at most two blocks: three buckets, each one collective.
+    # Buckets of at most two blocks: three buckets, each one collective; the last bucket of
+    # the forward stays gathered into the backward (it is the first there, like the last unit).
     two = pool.run(case_plan, fs.Coalesce(unit_bytes=block, bucket_bytes=2 * block))[0]
     assert two["buckets"] == [blocks[0:2], blocks[2:4], blocks[4:6]]
-    assert (two["gathers"], two["reduces"]) == (1 + 3 + 3, 1 + 3)
+    assert (two["gathers"], two["reduces"]) == (1 + 3 + 2, 1 + 3)
     # Units larger than unit_bytes stay alone.
     none = pool.run(case_plan, fs.Coalesce(unit_bytes=block - 1))[0]
     assert none["buckets"] == []
@@ -151,7 +152,7 @@ def test_plan_follows_the_thresholds(dist_pools):
     explicit = fs.Coalesce(unit_bytes=0, buckets=[blocks[1:4], blocks[4:6]])
     named = pool.run(case_plan, explicit)[0]
     assert named["buckets"] == [blocks[1:4], blocks[4:6]]
-    assert named["gathers"] == 1 + 3 + 3  # root, blocks.0, two buckets; backward: the same - root
+    assert named["gathers"] == 4 + 2  # root, blocks.0, two buckets; backward: blocks.0, bucket
 
 
 def case_bad_bucket_name() -> str:

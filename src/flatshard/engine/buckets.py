@@ -180,12 +180,15 @@ class Bucket:
         dtype = group.reduce_dtype
         if dtype not in self._grads:
             world, total = self.topology.shard_world, self._offsets[dtype][1]
-            chunked = self._scratch(world * total, dtype).view(world, total).zero_()
+            chunked = self._scratch(world * total, dtype).view(world, total)
             self._grads[dtype] = (chunked, [])
         chunked, entries = self._grads[dtype]
         offset = self._offsets[dtype][0][id(group)]
-        if grad is not None:
-            write_chunked(chunked[:, offset : offset + group.shard_numel], group, grad)
+        region = chunked[:, offset : offset + group.shard_numel]  # every element is written
+        if grad is None:
+            region.zero_()
+        else:
+            write_chunked(region, group, grad)
         entries.append((group, offset, used))
 
     def _launch(self) -> list[PendingReduce]:
@@ -210,22 +213,50 @@ class Bucket:
 
 def write_chunked(dest: torch.Tensor, group: FlatGroup, grad) -> None:
     """Write ``group``'s gradient (its padded flat gradient, or the per-parameter gradients,
-    ``None`` for unused ones) into ``dest``, the ``[world, shard_numel]`` view of it; ``dest``
-    is zeros, so gaps and unused parameters need no writes."""
+    ``None`` for unused ones) into ``dest``, the ``[world, shard_numel]`` view of it: one
+    ``torch.cat`` into each row (the plan of which pieces go where is built once per group)."""
     if isinstance(grad, torch.Tensor):
         dest.copy_(grad.view(dest.shape))
         return
-    n = group.shard_numel
-    for spec, g in zip(group.specs, grad, strict=True):
-        if g is None:
-            continue
-        flat, start = g.reshape(-1), spec.offset
-        while start < spec.offset + spec.numel:  # one piece per chunk the parameter spans
-            row, col = divmod(start, n)
-            length = min(n - col, spec.offset + spec.numel - start)
-            piece = flat[start - spec.offset : start - spec.offset + length]
-            dest[row, col : col + length].copy_(piece)
-            start += length
+    plan = group.chunk_plan
+    if plan is None:
+        plan = group.chunk_plan = _chunk_plan(group, dest.dtype)
+    flats = [None if g is None else g.reshape(-1) for g in grad]
+    for row, pieces in enumerate(plan):
+        parts = [
+            gap if i is None else _piece(flats[i], a, n, dest) for i, a, n, gap in pieces
+        ]  # fmt: skip
+        torch.cat(parts, out=dest[row])
+
+
+def _piece(flat: torch.Tensor | None, start: int, n: int, like: torch.Tensor) -> torch.Tensor:
+    if flat is None:  # a parameter this backward did not use: zeros (rare)
+        return like.new_zeros(n)
+    return flat if start == 0 and n == flat.numel() else flat[start : start + n]
+
+
+def _chunk_plan(group: FlatGroup, dtype: torch.dtype) -> list[list[tuple]]:
+    """Per chunk (row) of the padded flat layout, the pieces that fill it in order: (parameter
+    index or None for a gap, start in the flattened parameter, length, zeros for a gap)."""
+    n, device = group.shard_numel, group.device
+    spans = [(i, s.offset, s.numel) for i, s in enumerate(group.specs)]
+    plan = []
+    for row in range(group.world):
+        lo, hi, position, pieces = row * n, (row + 1) * n, row * n, []
+        for i, offset, numel in spans:
+            start, end = max(offset, lo), min(offset + numel, hi)
+            if end <= start:
+                continue
+            if start > position:
+                gap = torch.zeros(start - position, dtype=dtype, device=device)
+                pieces.append((None, 0, gap.numel(), gap))
+            pieces.append((i, start - offset, end - start, None))
+            position = end
+        if hi > position:
+            gap = torch.zeros(hi - position, dtype=dtype, device=device)
+            pieces.append((None, 0, gap.numel(), gap))
+        plan.append(pieces)
+    return plan
 
 
 def _by(groups: list, attr: str) -> list[list]:

@@ -125,6 +125,7 @@ class FlatGroup:
         self._views: list[torch.Tensor] = []  # full_views of ``_views_of`` (a ``full``)
         self._views_of: torch.Tensor | None = None
         self.shared = None  # a buckets.SharedStorage holding ``_private``, if coalesced
+        self.chunk_plan: list | None = None  # see buckets.write_chunked
         self.free_full()
 
     def _fragments(self, params: list[nn.Parameter]) -> list[ParamSpec]:

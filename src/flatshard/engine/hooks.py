@@ -151,9 +151,10 @@ def _post_forward(state: ShardedState, unit: Unit, module, args, kwargs, output)
         # reentrant recomputation is backpropagated right away: keep it too.
         # With the root's tail split off, the tail's backward comes first and prefetches the
         # last unit behind the head's backward: it need not be held through the loss.
+        # The last bucket is kept whole: its members are small, and the first of the backward.
         last = state.forward_order.is_last(unit)
-        keep_last = last and torch.is_grad_enabled() and not state.tail_first
-        keep = call.kind is CallKind.REENTRANT or keep_last
+        keep_last = (last and not state.tail_first) or state.in_last_bucket(unit)
+        keep = call.kind is CallKind.REENTRANT or (keep_last and torch.is_grad_enabled())
         if unit.reshard_after_forward and not keep:
             unit.reshard(state.timeout)
         if last and state.pool is not None and call.kind is CallKind.FORWARD:

@@ -141,6 +141,11 @@ class ShardedState:
         order = self.forward_order.frozen
         self.install_buckets(plan_buckets(order, self.coalesce, self.root) if self.root else [])
 
+    def in_last_bucket(self, unit: Unit) -> bool:
+        """Is ``unit`` in the bucket of the forward's last unit?"""
+        frozen = self.forward_order.frozen
+        return unit.bucket is not None and frozen is not None and frozen[-1].bucket is unit.bucket
+
     def gather_for_step(self, unit: Unit) -> None:
         """The training hooks' gather: with its bucket when it has one (see buckets.py)."""
         if unit.bucket is not None and unit.state is ParamState.SHARDED:

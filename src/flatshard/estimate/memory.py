@@ -171,45 +171,14 @@ def _head_backward(step: _Step, saved: int) -> Parts:
 
 
 def _backward(step: _Step) -> Iterator[tuple[str, Parts]]:
-    """Three moments per block, last block first (its pre-backward's gather, its MLP backward,
-    its post-backward), then the root's post-backward and the tail's (last: see [Note: the
-    gather replay])."""
+    """Each block's backward, last block first, then the root's post-backward and the tail's
+    (last: see [Note: the gather replay])."""
     spec, p, act, units = step.spec, step.layout.precision, step.act, step.units
     # The head's and the final norm's gradients wait for the root's and the tail's reduction.
     held_root = (spec.vocab * spec.hidden + spec.hidden) * p.param
     grads = Reductions(units, step.layout)
     for i in reversed(range(step.L)):
-        yield (
-            f"backward block {i} gather",
-            {
-                **step.gathered(f"backward block {i} gather"),
-                **grads.between(),
-                "activations": (i + 1) * step.kept + act.fixed,  # the head's were freed
-                "workspace": act.grad_input,
-                "unit_grads": held_root,
-            },
-        )
-        gathered = step.gathered(f"backward block {i}")
-        yield (
-            f"backward block {i} mlp",
-            {
-                **gathered,
-                **grads.between(),
-                "activations": i * step.kept + act.block + act.fixed,
-                "workspace": act.mlp_workspace,
-                "unit_grads": held_root + spec.hidden * spec.ffn * p.param,  # + down_proj's
-            },
-        )
-        yield (
-            f"backward block {i} end",
-            {
-                **gathered,
-                "activations": i * step.kept + act.fixed,
-                "workspace": act.grad_input,
-                "unit_grads": held_root + spec.block_params * p.param,
-                **grads.post_backward(units.block, i),
-            },
-        )
+        yield from _block_backward(step, grads, i, held_root)
     root_grads = (2 * spec.vocab * spec.hidden + spec.hidden) * p.param  # head + embedding
     root = grads.post_backward(units.root)
     yield "backward root", {**step.gathered("backward root"), "activations": act.fixed,
@@ -218,6 +187,45 @@ def _backward(step: _Step) -> Iterator[tuple[str, Parts]]:
         yield "backward tail", {**step.gathered("backward tail"), "activations": act.fixed,
                                 "unit_grads": units.tail.numel * p.param,
                                 **grads.post_backward(units.tail)}  # fmt: skip
+
+
+def _block_backward(
+    step: _Step, grads: Reductions, i: int, held_root: int
+) -> Iterator[tuple[str, Parts]]:
+    """Block ``i``'s pre-backward (before its gather is waited for), its MLP backward and its
+    post-backward (``grads`` moves on to the next reduction there)."""
+    spec, p, act = step.spec, step.layout.precision, step.act
+    yield (
+        f"backward block {i} gather",
+        {
+            **step.gathered(f"backward block {i} gather"),
+            **grads.between(),
+            "activations": (i + 1) * step.kept + act.fixed,  # the head's were freed
+            "workspace": act.grad_input,
+            "unit_grads": held_root,
+        },
+    )
+    gathered = step.gathered(f"backward block {i}")
+    yield (
+        f"backward block {i} mlp",
+        {
+            **gathered,
+            **grads.between(),
+            "activations": i * step.kept + act.block + act.fixed,
+            "workspace": act.mlp_workspace,
+            "unit_grads": held_root + spec.hidden * spec.ffn * p.param,  # + down_proj's
+        },
+    )
+    yield (
+        f"backward block {i} end",
+        {
+            **gathered,
+            "activations": i * step.kept + act.fixed,
+            "workspace": act.grad_input,
+            "unit_grads": held_root + spec.block_params * p.param,
+            **grads.post_backward(step.units.block, i),
+        },
+    )
 
 
 def _finish(step: _Step) -> Iterator[tuple[str, Parts]]:

@@ -47,9 +47,10 @@ class Reductions:
         return sum(held for held, _ in self.in_flight)
 
     def _completing(self) -> int:
-        """What the reductions waited for at the next launch cast as they complete."""
-        extra = len(self.in_flight) + 1 - self.layout.max_inflight_reduces
-        return max((done for _, done in list(self.in_flight)[: max(0, extra)]), default=0)
+        """What the reductions that this launch waits for (the oldest beyond
+        ``max_inflight_reduces``) allocate as they complete: rank 0's own pieces, cast."""
+        extra = max(0, len(self.in_flight) + 1 - self.layout.max_inflight_reduces)
+        return max((done for _, done in list(self.in_flight)[:extra]), default=0)
 
     def reduces_pieces(self, unit: Unit) -> bool:
         """Reduced straight from the per-parameter gradients (``FlatGroup.reduces_pieces``):
@@ -59,37 +60,36 @@ class Reductions:
         return p2p and unit.pad * self.width >= PIECES_MIN_BYTES
 
     def post_backward(self, unit: Unit, block: int | None = None) -> Parts:
-        """The moment ``unit`` (block ``block``, or the root or tail) reduces: the casts of its
-        gradients and the new shard are not alive at once (the casts are freed first), so the
-        larger of the two is the moment's peak."""
+        """The peak of ``unit``'s post-backward (block ``block``, or the root or the tail): the
+        casts of its gradients live while the flat gradient is concatenated and are freed
+        before the reduction's buffers are allocated, so the larger moment counts."""
         p = self.layout.precision
         casts = unit.numel * self.width if self.width != p.param else 0
         if self.layout.shard_world == 1:
             self.shards += unit.pad * self.width
             return {"gradients": self.shards, "flat_grads": casts}
         bucket = self.units.bucket_of(block) if block is not None else None
-        if bucket is None:
-            return self._alone(unit, casts)
-        return self._member(unit, bucket, block == bucket[0], casts)
-
-    def _alone(self, unit: Unit, casts: int) -> Parts:
-        new = unit.shard * self.width
+        if bucket is not None:
+            return self._member(unit, bucket, block == bucket[0], casts)
         if self.reduces_pieces(unit):
-            return self._pieces(unit, new)
+            return self._pieces(unit)
         flat = unit.pad * self.width
-        parts = {"gradients": self.shards + (new if new >= casts else 0),
-                 "flat_grads": self.held + self._flying() + flat
-                 + max(casts if casts > new else 0, self._completing())}  # fmt: skip
+        new = unit.shard * self.width
+        before = self.held + self._flying() + flat
+        parts = _larger({"gradients": self.shards, "flat_grads": before + casts},
+                        {"gradients": self.shards + new,
+                         "flat_grads": before + self._completing()})  # fmt: skip
         self.shards += new
         self._launch(flat)
         return parts
 
-    def _pieces(self, unit: Unit, new: int) -> Parts:
+    def _pieces(self, unit: Unit) -> Parts:
         """The ring from the pieces: its first step sends the pieces of the chunk after rank
         0's (the last one) cast to the reduce dtype, kept until the reduction is waited for,
         as are ``world - 2`` (at most 2) staging chunks for the running sums; when it
         completes, rank 0's own pieces are cast one at a time and added into the new shard."""
         p, world = self.layout.precision, self.layout.shard_world
+        new = unit.shard * self.width
         cast = self.width != p.param
         sent = max(0, unit.numel - (world - 1) * unit.shard) * self.width if cast else 0
         own = largest_piece(unit.sizes, unit.shard) * self.width if cast else 0
@@ -102,16 +102,17 @@ class Reductions:
         return parts
 
     def _member(self, unit: Unit, bucket: tuple[int, ...], last: bool, casts: int) -> Parts:
+        """A bucket's member keeps its flat gradient; the last one (the first in forward
+        order) launches the bucket's reduction from the chunked copy of all of them."""
         flat = unit.pad * self.width
         before = self.held + self._flying() + flat
         if not last:
             self.held += flat
             return {"gradients": self.shards, "flat_grads": before + casts}
         chunked, out = len(bucket) * flat, len(bucket) * unit.shard * self.width
-        launch = chunked + out >= casts
-        parts = {"gradients": self.shards + (out if launch else 0),
-                 "flat_grads": before + (chunked if launch else casts)
-                 + self._completing()}  # fmt: skip
+        parts = _larger({"gradients": self.shards, "flat_grads": before + casts},
+                        {"gradients": self.shards + out,
+                         "flat_grads": before + chunked + self._completing()})  # fmt: skip
         self.shards += out
         self.held = 0
         self._launch(chunked)
@@ -121,6 +122,10 @@ class Reductions:
         self.in_flight.append((nbytes, completing))
         while len(self.in_flight) > self.layout.max_inflight_reduces:
             self.in_flight.popleft()  # waited for: its flat gradient is freed
+
+
+def _larger(a: Parts, b: Parts) -> Parts:
+    return a if sum(a.values()) > sum(b.values()) else b
 
 
 def largest_piece(sizes: tuple[int, ...], shard: int) -> int:

@@ -13,9 +13,10 @@ Two step orders, as the engine records them on the first iteration: forward (tai
 blocks) and backward (root, tail, blocks in reverse; the lazy root is never prefetched). The
 post-backward of the tail runs *last*, after the root's: its autograd node is created at the
 first pre-forward of the step, and autograd runs ready nodes latest-created first, so the
-head's and final norm's gradients wait through the whole backward. ``Prefetch(backward="post")``
-then gathers the last block (its whole bucket) after the tail's reduction, at the very end of
-backward, to no use; the replay keeps both, as measured.
+head's and final norm's gradients wait through the whole backward. With
+``Prefetch(backward="post")`` the unit finishing last (the tail, or the root without one)
+prefetches the next in the backward order, the last block (its whole bucket), at the very end
+of backward, to no use. The replay keeps both, as measured.
 
 Per moment it reports ``gathered`` (full buffers, private and pooled) and ``gather_inputs``
 (what a gather in flight holds besides them until someone waits for it: a bucket's
