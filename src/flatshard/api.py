@@ -16,7 +16,7 @@ from .coalesce import Coalesce
 from .comm.collectives import CommStats
 from .comm.debug import OpChecker
 from .comm.fingerprint import check_ranks_agree
-from .engine import hooks
+from .engine import hooks, root_split
 from .engine.buckets import named_buckets
 from .engine.mesh import Topology, require_initialized, resolve_topology
 from .engine.meta_init import (
@@ -295,6 +295,7 @@ def _build_units(
         # The root with its tail split off is released after forward and regathered only if
         # backward needs it (see [Note: the lazy root]); the tail is the root as before.
         lazy = len(parts) == 2 and options.strategy in RESHARD_AFTER_FORWARD
+        lazy = lazy and root_split.worth_lazy(parts[0])
         for i, members in enumerate(parts or [params]):
             unit = Unit(
                 len(units), module, members, slots, topology=topology, stats=stats,

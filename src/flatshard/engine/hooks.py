@@ -161,7 +161,7 @@ def _post_forward(state: ShardedState, unit: Unit, module, args, kwargs, output)
             state.pool.trim()
     if torch.is_grad_enabled() and unit.grad.pending_nodes > 0:
         _hook_output_grads(state, unit, output)
-    if call.node is not None and not recompute.reaches(output, call.node):
+    if call.node is not None and not recompute.output_reaches(unit, output, call.node):
         # Nothing of the output depends on the views (a reentrant checkpoint inside the
         # unit ran them under no_grad): this call's node will never run; its gradients come
         # from the recomputation, and the unit's inputs tell when they are complete.

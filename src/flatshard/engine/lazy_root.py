@@ -20,7 +20,9 @@ again only when something actually reads it:
   or a backward hook reading a root parameter, reads real values.
 * Ranks run the same backward graph, so they gather at the same point (or none do).
 
-When the saved-tensor hooks cannot be installed (someone else's hooks are active around the
+A root under ``root_split.LAZY_MIN_BYTES`` (1 MiB) stays gathered from forward into backward
+instead: the hooks cost a Python call per saved tensor of the whole forward, more than such a
+root's bytes are worth. When the saved-tensor hooks cannot be installed (someone else's hooks are active around the
 root's forward, or it runs without grad), that step falls back to regathering the root at
 its pre-backward, as any unit.
 """

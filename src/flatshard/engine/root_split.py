@@ -22,6 +22,11 @@ from __future__ import annotations
 
 from torch import nn
 
+# The lazy root (lazy_root.py) saves memory at the loss, and costs a saved-tensor hook on every
+# tensor the forward saves; below this size (embeddings of a tiny vocabulary) the root stays
+# gathered from forward into backward as before.
+LAZY_MIN_BYTES = 1 << 20
+
 
 def tail_parameters(
     model: nn.Module,
@@ -44,3 +49,8 @@ def tail_parameters(
         if all(m is not model and position[id(m)] > last_unit for m, _ in slots[id(p)])
     ]
     return tail if len(tail) < len(root_params) else []
+
+
+def worth_lazy(root_params: list[nn.Parameter]) -> bool:
+    """Is the root (its tail split off) big enough to be released after forward?"""
+    return sum(p.numel() * p.element_size() for p in root_params) >= LAZY_MIN_BYTES

@@ -86,7 +86,7 @@ class ShardedState:
         self.buckets_planned = False
         # The root's tail (see root_split.py) starts every backward: the last unit of the
         # forward is not the first of the backward then.
-        self.tail_first = any(u.regather_on_demand for u in units)
+        self.tail_first = any(u.part == "tail" for u in units)
         self._ahead: dict[tuple[int, int, int], list[Unit]] = {}  # see ahead()
         self._reduced: list[PendingReduce] = []
         self.final_callback_queued = False

@@ -122,6 +122,7 @@ class Unit:
         # ``lazy_now``: this step's forward could install its saved-tensor hooks.
         self.regather_on_demand = False
         self.part = ""  # "tail": the root's tail (see root_split.py)
+        self.reach_calls = self.reach_streak = 0  # see recompute.output_reaches
         self.lazy_now = False
         self.on_demand_views: list | None = None  # this backward's, once a placeholder was used
         self._gathered_versions: list[int] = []

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .activations import FP32, Activations, activations
-from .reductions import Reductions, largest_piece
+from .reductions import Reductions, larger, largest_piece
 from .schedule import gathers
 from .spec import Layout, ModelSpec, Workload
 from .units import Units, plan_units
@@ -111,7 +111,8 @@ def estimate_memory(spec: ModelSpec, layout: Layout, work: Workload) -> MemoryEs
     kept = act.block_input if work.act_ckpt else act.block
     step = _Step(spec, layout, work, act, kept, units, gathers(units, layout))
     static = _static(step)
-    parts = [*_forward(step, work), *_backward(step), *_finish(step)]
+    grads = Reductions(units, layout)
+    parts = [*_forward(step, work), *_backward(step, grads), *_finish(step, grads)]
     phases = tuple(Phase(name, {**static, **part}) for name, part in parts)
     peak = max(phases, key=lambda p: p.total)
     return MemoryEstimate(
@@ -143,12 +144,17 @@ def _forward(step: _Step, work: Workload) -> Iterator[tuple[str, Parts]]:
     """Each block's forward, the loss, its backward and (lazy root, tied head) the head's."""
     L, act = step.L, step.act
     current = act.block_input + act.mlp_workspace if work.act_ckpt else act.block  # rough if ckpt
+    # At the block's last matmul, besides what it saves (measured on CPU, fp32 and bf16 alike):
+    # that matmul's output and the block's output, and in bf16 also the block's input and
+    # residual in bf16, which the composite norms saved as fp32 upcasts only.
+    ending = 0 if work.act_ckpt else 2 * work.tokens * step.spec.hidden * FP32
     for i in range(L):
         before = i * step.kept + act.block_input + act.fixed  # block i's input is alive
         yield f"forward block {i} gather", {**step.gathered(f"forward block {i} gather"),
                                             "activations": before}  # fmt: skip
         acts = i * step.kept + current + act.fixed
-        yield f"forward block {i}", {**step.gathered(f"forward block {i}"), "activations": acts}
+        yield f"forward block {i}", {**step.gathered(f"forward block {i}"), "activations": acts,
+                                     "workspace": ending}  # fmt: skip
     saved = L * step.kept + act.head + act.fixed
     yield "loss", {**step.gathered("loss"), "activations": saved, "workspace": act.logits}
     yield "loss backward", {**step.gathered("loss backward"), "activations": saved,
@@ -170,13 +176,12 @@ def _head_backward(step: _Step, saved: int) -> Parts:
     }
 
 
-def _backward(step: _Step) -> Iterator[tuple[str, Parts]]:
+def _backward(step: _Step, grads: Reductions) -> Iterator[tuple[str, Parts]]:
     """Each block's backward, last block first, then the root's post-backward and the tail's
     (last: see [Note: the gather replay])."""
     spec, p, act, units = step.spec, step.layout.precision, step.act, step.units
     # The head's and the final norm's gradients wait for the root's and the tail's reduction.
     held_root = (spec.vocab * spec.hidden + spec.hidden) * p.param
-    grads = Reductions(units, step.layout)
     for i in reversed(range(step.L)):
         yield from _block_backward(step, grads, i, held_root)
     root_grads = (2 * spec.vocab * spec.hidden + spec.hidden) * p.param  # head + embedding
@@ -219,7 +224,7 @@ def _block_backward(
     yield (
         f"backward block {i} end",
         {
-            **gathered,
+            **step.gathered(f"backward block {i} end"),
             "activations": i * step.kept + act.fixed,
             "workspace": act.grad_input,
             "unit_grads": held_root + spec.block_params * p.param,
@@ -228,13 +233,15 @@ def _block_backward(
     )
 
 
-def _finish(step: _Step) -> Iterator[tuple[str, Parts]]:
-    """End of backward (gradient shards cast into ``.grad``) and the optimizer step; the gather
-    pool's free buffers are still there."""
+def _finish(step: _Step, grads: Reductions) -> Iterator[tuple[str, Parts]]:
+    """End of backward (the last reductions in flight; then, waited for, the gradient shards
+    cast into ``.grad``) and the optimizer step; the gather pool's free buffers are still
+    there."""
     p = step.layout.precision
     shards = step.units.shards * p.flat
-    end = shards + step.final_grads() if step.cast_grads else shards
-    yield "end of backward", {**step.gathered("end of backward"), "gradients": end}
+    casts = step.final_grads() if step.cast_grads else 0
+    end = larger(grads.between(), {"gradients": shards + casts})
+    yield "end of backward", {**step.gathered("end of backward"), **end}
     yield "optimizer step", {**step.gathered("optimizer step"), "gradients": step.final_grads(),
                              "optimizer_temp": _opt_temp(step)}  # fmt: skip
 

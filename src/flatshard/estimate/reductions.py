@@ -6,10 +6,10 @@ and concatenated into a flat gradient, the reduction is launched with a new grad
 its output, and the oldest reduction beyond ``max_inflight_reduces`` is waited for, which
 frees its flat gradient. On Gloo's point-to-point ring a unit of at least
 ``PIECES_MIN_BYTES`` is reduced from its per-parameter gradients instead (``gloo_p2p.
-reduce_scatter_pieces``), which stay alive in flight in place of the flat copy. A member of a bucket
-keeps its flat gradient until the bucket's last member (the first in forward order) is done;
-then the members' flats are copied chunk by chunk into one ``world x total`` buffer (the one
-in flight) and reduced into ``total`` elements that become the members' gradient shards.
+reduce_scatter_pieces``), which stay alive in flight in place of the flat copy. A bucket's
+members write their per-parameter gradients straight into the bucket's chunked buffer
+(``world x`` the members' shards, row ``r`` = every member's chunk ``r``), whose reduction
+into the members' new shards starts once the last member (the first in forward order) is done.
 no_shard: the flat gradient is the gradient shard; nothing is in flight.
 """
 
@@ -22,7 +22,7 @@ from ..engine.flat_group import PIECES_MIN_BYTES
 from .spec import Layout
 from .units import Unit, Units
 
-__all__ = ["Reductions", "largest_piece"]
+__all__ = ["Reductions", "larger", "largest_piece"]
 
 Parts = dict[str, int]
 
@@ -70,13 +70,13 @@ class Reductions:
             return {"gradients": self.shards, "flat_grads": casts}
         bucket = self.units.bucket_of(block) if block is not None else None
         if bucket is not None:
-            return self._member(unit, bucket, block == bucket[0], casts)
+            return self._member(unit, bucket, block)  # type: ignore[arg-type]
         if self.reduces_pieces(unit):
             return self._pieces(unit)
         flat = unit.pad * self.width
         new = unit.shard * self.width
         before = self.held + self._flying() + flat
-        parts = _larger({"gradients": self.shards, "flat_grads": before + casts},
+        parts = larger({"gradients": self.shards, "flat_grads": before + casts},
                         {"gradients": self.shards + new,
                          "flat_grads": before + self._completing()})  # fmt: skip
         self.shards += new
@@ -101,20 +101,22 @@ class Reductions:
         self._launch(unit.numel * p.param + sent + staging, own)  # the pieces stay alive
         return parts
 
-    def _member(self, unit: Unit, bucket: tuple[int, ...], last: bool, casts: int) -> Parts:
-        """A bucket's member keeps its flat gradient; the last one (the first in forward
-        order) launches the bucket's reduction from the chunked copy of all of them."""
-        flat = unit.pad * self.width
-        before = self.held + self._flying() + flat
-        if not last:
-            self.held += flat
-            return {"gradients": self.shards, "flat_grads": before + casts}
-        chunked, out = len(bucket) * flat, len(bucket) * unit.shard * self.width
-        parts = _larger({"gradients": self.shards, "flat_grads": before + casts},
-                        {"gradients": self.shards + out,
-                         "flat_grads": before + chunked + self._completing()})  # fmt: skip
+    def _member(self, unit: Unit, bucket: tuple[int, ...], block: int) -> Parts:
+        """A bucket's members write their gradients straight into its chunked buffer
+        (``W x`` the members' shards, taken at the first member's post-backward: the gather
+        pool's when the model has one, counted as gathered then, see ``schedule.py``); the
+        last one (the first in forward order) launches the reduction into the members' new
+        shards, and the chunked buffer is what stays in flight."""
+        chunked = 0 if self.units.pooled else len(bucket) * unit.pad * self.width
+        if block == bucket[-1]:
+            self.held += chunked
+        if block != bucket[0]:
+            return {"gradients": self.shards, "flat_grads": self.held + self._flying()}
+        out = len(bucket) * unit.shard * self.width
+        parts = {"gradients": self.shards + out,
+                 "flat_grads": self.held + self._flying() + self._completing()}  # fmt: skip
         self.shards += out
-        self.held = 0
+        self.held -= chunked
         self._launch(chunked)
         return parts
 
@@ -124,7 +126,8 @@ class Reductions:
             self.in_flight.popleft()  # waited for: its flat gradient is freed
 
 
-def _larger(a: Parts, b: Parts) -> Parts:
+def larger(a: Parts, b: Parts) -> Parts:
+    """The moment with more bytes of two."""
     return a if sum(a.values()) > sum(b.values()) else b
 
 

@@ -1,13 +1,16 @@
 """Which units are gathered at each moment of a step: the engine's hooks, replayed on sizes.
 
 [Note: the gather replay]
-The estimate follows ``engine/hooks.py`` and ``engine/state.py`` unit by unit rather than
-summing a formula per strategy, because the defaults interact: a bucket gathers all of its
-sharded members when any of them is needed (or prefetched), prefetching counts a bucket as
-one unit, the last block reshards after forward once the root's tail starts the backward,
-the lazy root is released after forward, and blocks outside buckets under full_shard borrow
-buffers from the gather pool, which keeps up to ``max(2, prefetch_forward + 1)`` free buffers
-(counted as gathered, as flatshard counts them) until the end of the next forward.
+The estimate follows ``engine/hooks.py``, ``state.py`` and ``buckets.py`` unit by unit rather
+than summing a formula per strategy, because the defaults interact: a bucket gathers all of
+its sharded members when any of them is needed (or prefetched) into one storage that lives
+until its last member is released, prefetching counts a bucket as one unit, the last block
+(with a tail: the last block's whole bucket) stays gathered into the backward, the lazy root
+is released after forward, and under full_shard the gather pool lends buffers to the blocks
+gathered alone and scratch buffers to the buckets (staging of a gather, the chunked gradient
+of a reduction). The pool keeps up to ``max(2, prefetch_forward + 1)`` free buffers of each
+dtype, best fit, until the end of the next forward; flatshard counts them as gathered, and so
+does the replay.
 
 Two step orders, as the engine records them on the first iteration: forward (tail, root,
 blocks) and backward (root, tail, blocks in reverse; the lazy root is never prefetched). The
@@ -18,15 +21,16 @@ head's and final norm's gradients wait through the whole backward. With
 prefetches the next in the backward order, the last block (its whole bucket), at the very end
 of backward, to no use. The replay keeps both, as measured.
 
-Per moment it reports ``gathered`` (full buffers, private and pooled) and ``gather_inputs``
-(what a gather in flight holds besides them until someone waits for it: a bucket's
-concatenated send buffer and its ``world`` rows of staging; a lone unit's low-precision copy
-of its shard under mixed precision). The step is replayed twice: the second is the steady
-state (the pool's free buffers carried over).
+Per moment it reports ``gathered`` (full buffers and the pool's) and ``gather_inputs`` (what a
+gather in flight holds besides them until someone waits for it: a bucket's concatenated send
+buffer, and its staging rows when there is no pool; a lone unit's low-precision copy of its
+shard under mixed precision). The step is replayed twice: the second is the steady state (the
+pool's free buffers carried over).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from itertools import pairwise
 
 from .spec import Layout
@@ -42,8 +46,9 @@ def gathers(units: Units, layout: Layout) -> dict[str, Parts]:
     """``{"gathered": ..., "gather_inputs": ...}`` bytes at every moment of a steady step:
     ``forward block i gather`` (its pre-forward, before the wait), ``forward block i``,
     ``loss``, ``loss backward``, ``head backward`` (the lazy root regathered), ``backward
-    block i gather``, ``backward block i``, ``backward root``, ``backward tail``, ``end of
-    backward``, ``optimizer step``."""
+    block i gather``, ``backward block i`` (its backward), ``backward block i end`` (its
+    post-backward), ``backward root``, ``backward tail``, ``end of backward``, ``optimizer
+    step``."""
     return _steady(units, layout).moments
 
 
@@ -61,6 +66,41 @@ def _steady(units: Units, layout: Layout) -> _Replay:
     return replay
 
 
+class _Pool:
+    """``engine/gather_pool.py`` on sizes: free buffers per kind (dtype), best fit within
+    twice the request, at most ``keep`` free per kind (the smallest dropped)."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self.free: dict[str, list[int]] = {}
+        self.used: dict[int, tuple[str, int]] = {}  # handle -> (kind, bytes)
+        self.handles = 0
+
+    def acquire(self, kind: str, nbytes: int) -> int:
+        free = self.free.setdefault(kind, [])
+        fits = [b for b in free if nbytes <= b <= 2 * nbytes]
+        size = min(fits) if fits else nbytes
+        if fits:
+            free.remove(size)
+        self.handles += 1
+        self.used[self.handles] = (kind, size)
+        return self.handles
+
+    def release(self, handle: int) -> None:
+        kind, size = self.used.pop(handle)
+        free = self.free.setdefault(kind, [])
+        free.append(size)
+        if len(free) > self.keep:
+            free.remove(min(free))
+
+    def trim(self) -> None:
+        self.free.clear()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b for _, b in self.used.values()) + sum(map(sum, self.free.values()))
+
+
 class _Replay:
     """The engine's gather state machine on byte counts (see the Note)."""
 
@@ -70,24 +110,23 @@ class _Replay:
         self.sharded = layout.shard_world > 1
         self.replicated = not self.sharded and p.param == p.master  # used in place
         self.reshards = layout.strategy in ("full_shard", "hybrid_shard")
-        self.keep = max(2, layout.prefetch_forward + 1)
+        self.pool = _Pool(max(2, layout.prefetch_forward + 1)) if units.pooled else None
+        self.kinds = (p.name, p.reduce or p.name)  # the compute and the reduce dtype
         tail = ["tail"] if units.tail else []
         blocks = list(range(units.layers))
-        self.forward = self._next([*tail, "root", *blocks])
-        self.backward = self._next(["root", *tail, *reversed(blocks)])
+        self.forward = dict(pairwise([*tail, "root", *blocks]))
+        self.backward = dict(pairwise(["root", *tail, *reversed(blocks)]))
         self.state: dict[Key, str] = {k: "sharded" for k in ["root", *tail, *blocks]}
-        self.private: set[Key] = set()  # allocated private full buffers
-        self.pool_used: set[Key] = set()
-        self.pool_free = 0
+        self.private: set[Key] = set()  # holding their full buffer (a bucket's: shared)
+        self.borrowed: dict[Key, int] = {}  # blocks in pool buffers -> their handle
         self.works: dict[Key, int] = {}  # a gathering unit -> its work (shared by a bucket)
-        self.in_flight: dict[int, int] = {}  # work -> bytes it holds until waited for
+        # work -> (its send buffer, its staging rows when not pooled, their pool handle)
+        self.in_flight: dict[int, tuple[int, int, int | None]] = {}
         self.issued = 0  # works so far (their ids)
+        self.reducing: deque[int | None] = deque()  # reductions in flight: chunked handles
+        self.chunked: dict[tuple[int, ...], int] = {}  # bucket -> its chunked scratch
         self.traffic = 0  # padded elements gathered
         self.moments: dict[str, Parts] = {}
-
-    @staticmethod
-    def _next(order: list[Key]) -> dict[Key, Key]:
-        return dict(pairwise(order))
 
     # ---- sizes -------------------------------------------------------------------------------
     def unit(self, key: Key) -> Unit:
@@ -96,18 +135,15 @@ class _Replay:
     def full(self, key: Key) -> int:
         return 0 if self.replicated else self.unit(key).pad * self.layout.precision.param
 
-    def pooled(self, key: Key) -> bool:
-        """Borrows a pool buffer: a block that reshards after forward, in no bucket."""
-        return isinstance(key, int) and self.reshards and self.bucket(key) is None
-
     def bucket(self, key: Key) -> tuple[int, ...] | None:
         return self.units.bucket_of(key) if isinstance(key, int) else None
 
     def snap(self, name: str) -> None:
-        pooled = (len(self.pool_used) + self.pool_free) * self.full(0)
-        held = sum(self.full(k) for k in self.private)
-        self.moments[name] = {"gathered": held + pooled,
-                              "gather_inputs": sum(self.in_flight.values())}  # fmt: skip
+        held = {self.bucket(k) or (k,) for k in self.private}  # a bucket's storage once
+        gathered = sum(self.full(k) for keys in held for k in keys)
+        pooled = self.pool.nbytes if self.pool else 0
+        inputs = sum(send + staging for send, staging, _ in self.in_flight.values())
+        self.moments[name] = {"gathered": gathered + pooled, "gather_inputs": inputs}
 
     # ---- the state machine (engine/unit.py, buckets.py, state.py, gather_pool.py) -----------
     def start(self, keys: list[Key]) -> None:
@@ -116,32 +152,33 @@ class _Replay:
         self.issued += 1
         self.traffic += sum(self.unit(k).pad for k in keys)
         for key in keys:
-            if self.pooled(key):
-                self.pool_free = max(0, self.pool_free - 1)  # else a new buffer
-                self.pool_used.add(key)
+            if self.pool is not None and isinstance(key, int) and self.bucket(key) is None:
+                self.borrowed[key] = self.pool.acquire(self.kinds[0], self.full(key))
             else:
                 self.private.add(key)
             self.state[key] = "gathering"
             self.works[key] = self.issued
         shard = sum(self.full(k) for k in keys) // world
         if len(keys) > 1:  # a bucket: the concatenated shards, and world rows of staging
-            self.in_flight[self.issued] = shard + world * shard
+            pooled = self.pool.acquire(self.kinds[0], world * shard) if self.pool else None
+            self.in_flight[self.issued] = (shard, 0 if pooled else world * shard, pooled)
         elif self.sharded and p.param != p.master:  # the shard cast to the compute dtype
-            self.in_flight[self.issued] = shard
+            self.in_flight[self.issued] = (shard, 0, None)
 
     def wait(self, key: Key) -> None:
         if self.state[key] == "sharded":
             self.start([key])
         if self.state[key] == "gathering":
-            self.in_flight.pop(self.works.pop(key), None)
+            _, _, staging = self.in_flight.pop(self.works.pop(key), (0, 0, None))
+            if staging is not None:
+                self.pool.release(staging)  # type: ignore[union-attr]
             self.state[key] = "unsharded"
 
     def reshard(self, key: Key) -> None:
         if self.state[key] == "gathering":
             self.wait(key)
-        if key in self.pool_used:
-            self.pool_used.discard(key)
-            self.pool_free = min(self.keep, self.pool_free + 1)
+        if key in self.borrowed:
+            self.pool.release(self.borrowed.pop(key))  # type: ignore[union-attr]
         self.private.discard(key)
         self.state[key] = "sharded"
 
@@ -172,11 +209,33 @@ class _Replay:
                 seen.append(bucket)
         return out
 
+    def reduce(self, key: Key, moment: str) -> None:
+        """``key``'s post-backward hands its gradients over (a bucket's first member takes
+        the chunked scratch, its last launches the reduction; anything else launches its
+        own); ``moment`` is the launch, before the oldest beyond ``max_inflight_reduces`` is
+        waited for (which returns its chunked scratch to the pool)."""
+        bucket = self.bucket(key)
+        if bucket is not None and key == bucket[-1] and self.pool is not None:
+            nbytes = len(bucket) * self.unit(key).pad * self.layout.precision.flat
+            self.chunked[bucket] = self.pool.acquire(self.kinds[1], nbytes)
+        launches = bucket is None or key == bucket[0]
+        if launches:
+            self.reducing.append(self.chunked.pop(bucket, None) if bucket else None)
+        self.snap(moment)
+        while launches and len(self.reducing) > self.layout.max_inflight_reduces:
+            self._reduced(self.reducing.popleft())
+
+    def _reduced(self, chunked: int | None) -> None:
+        if chunked is not None:
+            self.pool.release(chunked)  # type: ignore[union-attr]
+
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> None:
         self._forward()
         self._backward()
-        for key in self.state:  # finish_backward: reshard_all
+        while self.reducing:  # finish_backward: wait for every reduction, reshard_all
+            self._reduced(self.reducing.popleft())
+        for key in self.state:
             if self.state[key] != "sharded":
                 self.reshard(key)
         self.snap("optimizer step")
@@ -193,11 +252,14 @@ class _Replay:
         for i in range(units.layers):
             self._pre_forward(i)
             self.snap(f"forward block {i}")
-            # The last block stays gathered into the backward, unless the tail starts it.
-            if self.reshards and not (i == last and units.tail is None):
+            # The last block stays gathered into the backward, where it comes first, unless
+            # the tail starts the backward; the last block's bucket always stays whole.
+            bucket = self.bucket(i)
+            kept = (i == last and units.tail is None) or (bucket and bucket == self.bucket(last))
+            if self.reshards and not kept:
                 self.reshard(i)
-            if i == last and self.reshards:
-                self.pool_free = 0  # the pool is trimmed when the forward's last unit ends
+            if i == last and self.pool is not None:
+                self.pool.trim()  # when the forward's last unit ends
         self.snap("loss")
         if units.lazy_root:
             self.reshard("root")
@@ -209,7 +271,8 @@ class _Replay:
         if self.layout.prefetch_backward == "pre":
             self.prefetch(self.ahead(self.backward, key, 1))
 
-    def _post_backward(self, key: Key) -> None:
+    def _post_backward(self, key: Key, moment: str) -> None:
+        self.reduce(key, moment)
         self.reshard(key)
         if self.layout.prefetch_backward == "post":
             self.prefetch(self.ahead(self.backward, key, 1))
@@ -225,8 +288,7 @@ class _Replay:
         for i in reversed(range(units.layers)):
             self._pre_backward(i)
             self.snap(f"backward block {i}")
-            self._post_backward(i)
+            self._post_backward(i, f"backward block {i} end")
         for key in ["root", *(["tail"] if units.tail else [])]:  # the tail last: see the Note
-            self.snap(f"backward {key}")
-            self._post_backward(key)
+            self._post_backward(key, f"backward {key}")
         self.snap("end of backward")

@@ -7,16 +7,17 @@ per block and the root unit, which owns what no block owns:
 * ``split_root=True`` (default; ``engine/root_split.py``): the root's parameters used only after
   the last block (the final norm, and an untied head) form a second unit over the root module,
   the *tail*. A tied head is the embedding's parameter, so it stays in the root.
-* With a tail, under full_shard/hybrid_shard, the root is *lazy* (``engine/lazy_root.py``):
-  released after the forward and regathered in backward only when a saved tensor views it. A
-  tied head's weight is saved by ``lm_head``, so the root is regathered at the head's backward
-  and held to the end; an untied model's root (the embedding, whose backward reads no weight)
-  is never regathered.
+* With a tail, under full_shard/hybrid_shard, a root of at least ``LAZY_MIN_BYTES`` (1 MiB in
+  the stored dtype) is *lazy* (``engine/lazy_root.py``): released after the forward and
+  regathered in backward only when a saved tensor views it. A tied head's weight is saved by
+  ``lm_head``, so the root is regathered at the head's backward and held to the end; an untied
+  model's root (the embedding, whose backward reads no weight) is never regathered. A smaller
+  root stays gathered from forward into backward, as the tail does.
 * Coalescing (``fs.Coalesce()`` defaults, ``engine/buckets.py``): from the second step on, runs
   of consecutive blocks of at most ``unit_bytes`` gathered each are *buckets* of at most
   ``bucket_bytes``; the root and the tail are never coalesced, and neither is anything under
-  no_shard. A bucket gathers all its sharded members at once into private buffers (not the
-  gather pool) and reduces once its last member's backward is done.
+  no_shard. A bucket gathers all its sharded members at once into one storage (not the gather
+  pool's) and reduces once its last member's backward is done.
 
 Sizes are padded to a multiple of the shard group as ``engine.layout`` pads them (the 16-byte
 alignment gaps between parameters are left out: none in the presets).
@@ -27,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..coalesce import Coalesce
+from ..engine.root_split import LAZY_MIN_BYTES
 from .spec import Layout, ModelSpec
 
 __all__ = ["Unit", "Units", "plan_units"]
@@ -68,6 +70,9 @@ class Units:
     """The root reshards after forward (see the Note)."""
     root_regathered: bool
     """The lazy root is gathered again in backward (a tied head's saved weight)."""
+    pooled: bool
+    """The model has a gather pool (full_shard/hybrid_shard): blocks gathered alone borrow
+    its buffers, and buckets their staging and chunked scratch."""
 
     @property
     def all(self) -> list[Unit]:
@@ -95,7 +100,8 @@ def plan_units(spec: ModelSpec, layout: Layout) -> Units:
     else:
         root, tail = _unit(layout, "root", (v, c, *head)), None
     block = _unit(layout, "block", tuple(spec.block_sizes))
-    lazy = tail is not None and layout.strategy in ("full_shard", "hybrid_shard")
+    big = root.numel * layout.precision.master >= LAZY_MIN_BYTES  # root_split.worth_lazy
+    lazy = tail is not None and big and layout.strategy in ("full_shard", "hybrid_shard")
     return Units(
         root=root,
         tail=tail,
@@ -104,6 +110,8 @@ def plan_units(spec: ModelSpec, layout: Layout) -> Units:
         buckets=_buckets(block.pad * layout.precision.param, spec.layers, layout),
         lazy_root=lazy,
         root_regathered=lazy and spec.tied,
+        pooled=layout.strategy in ("full_shard", "hybrid_shard")
+        and (layout.shard_world > 1 or layout.precision.param != layout.precision.master),
     )
 
 
