@@ -28,8 +28,9 @@ class StepTime:
     """``flops / (peak * mfu)``."""
     all_gather_bytes: float
     """Bus bytes per rank of every gather the step's replay starts (``schedule.py``): under
-    full_shard the root (again in backward for a tied head), its tail once, and every block
-    twice (forward and backward; the last one once without a tail)."""
+    full_shard the root (again in backward for a tied lazy root), its tail once, and every
+    block twice (forward and backward) but those kept into the backward: the last block's
+    bucket, or without a tail the last block."""
     reduce_scatter_bytes: float
     all_reduce_bytes: float
     """no_shard's gradient all-reduce; hybrid_shard's all-reduce of gradient shards."""
