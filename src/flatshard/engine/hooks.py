@@ -117,6 +117,8 @@ def _pre_forward(state: ShardedState, unit: Unit, module, args, kwargs):
     if state.summoned:  # full parameters are already installed; no collective may run
         return None
     kind = recompute.classify_call(unit)
+    if unit.part == "tail" and kind is CallKind.FORWARD:
+        return _pre_forward_tail(state, unit)
     state.gather_for_step(unit)
     if kind is CallKind.RECOMPUTE:  # gradients flow through the first forward's graph
         unit.install_views(recompute_views(state, unit))
@@ -136,10 +138,35 @@ def _pre_forward(state: ShardedState, unit: Unit, module, args, kwargs):
     return None
 
 
+def _pre_forward_tail(state: ShardedState, unit: Unit) -> None:
+    """The root's tail: its gather is started, and its views (with their ``UnitViews`` node)
+    made at the first use of one of its parameters, behind the blocks: autograd runs the ready
+    node with the highest sequence number first, so a node made at the root's pre-forward
+    would run after every block's, at the very end of backward, and the tail would reduce
+    last (see [Note: the root's tail]). Until then its places hold placeholders."""
+    state.forward_order.observe(unit)
+    unit.start_gather()
+    call = Call(CallKind.FORWARD)
+    unit.calls.append(call)
+    unit.forward_depth += 1
+    saved_views.enter(None, unit)  # keeps saved_hooks paired with _post_forward's leave
+    unit.install_views(lazy_root.placeholders(unit, partial(_tail_views, state, unit, call)))
+
+
+def _tail_views(state: ShardedState, unit: Unit, call: Call) -> list[list[torch.Tensor]]:
+    if call.views is None:
+        state.ensure_gathered(unit)
+        call.views, call.node = make_views(state, unit)
+        unit.install_views(call.views)
+    return call.views
+
+
 def _post_forward(state: ShardedState, unit: Unit, module, args, kwargs, output):
     if state.summoned:
         return None
     call = unit.calls.pop() if unit.calls else Call(CallKind.FORWARD)
+    if unit.part == "tail" and call.kind is CallKind.FORWARD and call.views is None:
+        _tail_views(state, unit, call)  # unused in this forward: its node must exist all the same
     if call.kind is CallKind.RECOMPUTE:  # views stay until this unit's post-backward
         return None
     saved_views.leave(unit)

@@ -22,9 +22,9 @@ again only when something actually reads it:
 
 A root under ``root_split.LAZY_MIN_BYTES`` (1 MiB) stays gathered from forward into backward
 instead: the hooks cost a Python call per saved tensor of the whole forward, more than such a
-root's bytes are worth. When the saved-tensor hooks cannot be installed (someone else's hooks are active around the
-root's forward, or it runs without grad), that step falls back to regathering the root at
-its pre-backward, as any unit.
+root's bytes are worth. When the saved-tensor hooks cannot be installed (someone else's
+hooks are active around the root's forward, or it runs without grad), that step falls back
+to regathering the root at its pre-backward, as any unit.
 """
 
 from __future__ import annotations

@@ -58,6 +58,7 @@ class Call:
 
     kind: CallKind
     node: Any = None  # its counted UnitViews node, if it made one
+    views: Any = None  # the root's tail: its views, made at their first use (see hooks.py)
 
 
 def in_backward() -> bool:

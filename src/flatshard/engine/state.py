@@ -162,8 +162,8 @@ class ShardedState:
         ahead: list[Unit] = []
         buckets = [unit.bucket] if unit.bucket is not None else []
         while len(ahead) < count and (unit := order.next_of.get(id(unit))) is not None:
-            if unit.regather_on_demand and order is self.backward_order:
-                continue  # gathered in backward only if needed (see lazy_root.py)
+            if unit.module is self.root and order is self.backward_order:
+                continue  # gathered at the backward's start already, or on demand (lazy)
             if unit.bucket is None or all(unit.bucket is not b for b in buckets):
                 ahead.append(unit)
                 buckets += [unit.bucket] if unit.bucket is not None else []

@@ -13,13 +13,10 @@ dtype, best fit, until the end of the next forward; flatshard counts them as gat
 does the replay.
 
 Two step orders, as the engine records them on the first iteration: forward (tail, root,
-blocks) and backward (root, tail, blocks in reverse; the lazy root is never prefetched). The
-post-backward of the tail runs *last*, after the root's: its autograd node is created at the
-first pre-forward of the step, and autograd runs ready nodes latest-created first, so the
-head's and final norm's gradients wait through the whole backward. With
-``Prefetch(backward="post")`` the unit finishing last (the tail, or the root without one)
-prefetches the next in the backward order, the last block (its whole bucket), at the very end
-of backward, to no use. The replay keeps both, as measured.
+blocks) and backward (root, tail, blocks in reverse; backward never prefetches the root units).
+The post-backward of the tail runs right after the head's and final norm's backward, before
+the blocks': the engine makes the tail's autograd node at the first use of its parameters,
+behind the blocks' nodes, and autograd runs the ready node made last first.
 
 Per moment it reports ``gathered`` (full buffers and the pool's) and ``gather_inputs`` (what a
 gather in flight holds besides them until someone waits for it: a bucket's concatenated send
@@ -201,8 +198,8 @@ class _Replay:
         out: list[Key] = []
         seen = [self.bucket(key)]
         while len(out) < count and (key := order.get(key)) is not None:  # type: ignore[assignment]
-            if key == "root" and order is self.backward and self.units.lazy_root:
-                continue  # gathered in backward only on demand
+            if key in ("root", "tail") and order is self.backward:
+                continue  # gathered at the backward's start already, or on demand (lazy)
             bucket = self.bucket(key)
             if bucket is None or bucket not in seen:
                 out.append(key)
@@ -285,10 +282,11 @@ class _Replay:
         if units.root_regathered:  # lm_head's backward unpacks the tied weight
             self.gather_for_step("root")
             self.snap("head backward")
+        if units.tail:  # its node is made behind the blocks': it runs first (see the Note)
+            self._post_backward("tail", "backward tail")
         for i in reversed(range(units.layers)):
             self._pre_backward(i)
             self.snap(f"backward block {i}")
             self._post_backward(i, f"backward block {i} end")
-        for key in ["root", *(["tail"] if units.tail else [])]:  # the tail last: see the Note
-            self._post_backward(key, f"backward {key}")
+        self._post_backward("root", "backward root")
         self.snap("end of backward")
