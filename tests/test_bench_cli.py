@@ -47,9 +47,9 @@ def test_bench_cli_tiny_launch(tmp_path, capsys):
     mem = data["flatshard_memory"]  # flatshard's own accounting, rank 0
     # AdamW: m and v per shard element, plus a 4-byte step counter per parameter
     assert mem["shard_bytes"] > 0 and 0 <= mem["optimizer_bytes"] - 2 * mem["shard_bytes"] < 4096
-    # Two tiny blocks share one bucket (private buffers, none pooled): nothing is kept gathered
-    # between steps, and the peak holds at least the bucket.
-    assert mem["gathered_peak_bytes"] > mem["gathered_now_bytes"] == 0
+    # Two tiny blocks share one bucket: between steps only the gather pool's free scratch
+    # buffer (the bucket's staging) is kept, less than the peak.
+    assert mem["gathered_peak_bytes"] > mem["gathered_now_bytes"] > 0
     assert "flatshard/fsdp2" in capsys.readouterr().out
 
 
@@ -110,6 +110,8 @@ def test_bf16_computes_in_bf16_and_tracks_ddp(dist_pools):
     assert sent["bf16"]["all_gather"] * 2 == sent["fp32"]["all_gather"]
     assert sent["bf16"]["reduce_scatter"] == sent["fp32"]["reduce_scatter"]  # fp32 reduce
     mem = {p: runs[p]["flatshard_memory"] for p in runs}
-    assert mem["bf16"]["gathered_peak_bytes"] * 2 == mem["fp32"]["gathered_peak_bytes"]
+    # gathered parameters halve; the pooled scratch of the blocks' bucket (fp32 gradient
+    # chunks, counted as gathered) does not
+    assert mem["bf16"]["gathered_peak_bytes"] < mem["fp32"]["gathered_peak_bytes"]
     for key in ("shard_bytes", "optimizer_bytes"):  # fp32 master shards and AdamW state
         assert mem["bf16"][key] == mem["fp32"][key]

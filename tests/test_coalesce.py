@@ -26,7 +26,8 @@ def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max(((x - y).abs().max().item() if x.numel() else 0.0) for x, y in zip(a, b))
+    pairs = zip(a, b, strict=True)
+    return max(((x - y).abs().max().item() if x.numel() else 0.0) for x, y in pairs)
 
 
 def _build(name: str, strategy: str, route: str, coalesce, mp):
@@ -57,7 +58,7 @@ def case_identical(
     for step in range(STEPS):
         batch = case.batch(torch.Generator().manual_seed(step), 2 * world).chunk(world)[rank]
         losses, grads, counts = [], [], []
-        for model, opt in zip(models, opts):
+        for model, opt in zip(models, opts, strict=True):
             fs.comm_stats(model, reset=True)
             loss = case.loss(model, batch)
             loss.backward()

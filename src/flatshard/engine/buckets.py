@@ -39,6 +39,7 @@ from ..comm.collectives import CommStats, PendingWork, all_gather_into, reduce_s
 from ..precision import sum_scaling
 from .flat_group import FlatGroup, data_parallel_world, divided, then_replicas
 from .gather_pool import GatheredBytes, GatherPool
+from .layout import align_elements, aligned_offsets
 from .mesh import Topology
 from .unit import ParamState, PendingReduce, Unit
 
@@ -52,15 +53,14 @@ class SharedStorage:
     not once per member. Allocated while any member holds its part, freed when none does."""
 
     def __init__(self, groups: list[FlatGroup], account: GatheredBytes) -> None:
-        total = sum(g.padded_numel for g in groups)
-        self.buffer = torch.empty(total, dtype=groups[0].compute_dtype, device=groups[0].device)
+        dtype = groups[0].compute_dtype
+        starts = aligned_offsets([g.padded_numel for g in groups], align_elements(dtype))
+        self.buffer = torch.empty(starts[-1], dtype=dtype, device=groups[0].device)
         self.nbytes = self.buffer.untyped_storage().nbytes()
         self.account = account
         self._holders: set[int] = set()
-        offset = 0
-        for g in groups:
+        for g, offset in zip(groups, starts, strict=False):  # each on a 16-byte boundary too
             g.share_storage(self, self.buffer[offset : offset + g.padded_numel])
-            offset += g.padded_numel
         self.buffer.untyped_storage().resize_(0)  # the views keep pointing at it
 
     @property

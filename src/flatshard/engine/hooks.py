@@ -117,8 +117,8 @@ def _pre_forward(state: ShardedState, unit: Unit, module, args, kwargs):
     if state.summoned:  # full parameters are already installed; no collective may run
         return None
     kind = recompute.classify_call(unit)
-    if unit.part == "tail" and kind is CallKind.FORWARD:
-        return _pre_forward_tail(state, unit)
+    if unit.part == "tail" and kind is CallKind.FORWARD and not torch.compiler.is_compiling():
+        return _pre_forward_tail(state, unit)  # (traced by torch.compile: as any unit)
     state.gather_for_step(unit)
     if kind is CallKind.RECOMPUTE:  # gradients flow through the first forward's graph
         unit.install_views(recompute_views(state, unit))
@@ -146,7 +146,7 @@ def _pre_forward_tail(state: ShardedState, unit: Unit) -> None:
     last (see [Note: the root's tail]). Until then its places hold placeholders."""
     state.forward_order.observe(unit)
     unit.start_gather()
-    call = Call(CallKind.FORWARD)
+    call = Call(CallKind.FORWARD, grad_enabled=torch.is_grad_enabled())
     unit.calls.append(call)
     unit.forward_depth += 1
     saved_views.enter(None, unit)  # keeps saved_hooks paired with _post_forward's leave
@@ -156,7 +156,10 @@ def _pre_forward_tail(state: ShardedState, unit: Unit) -> None:
 def _tail_views(state: ShardedState, unit: Unit, call: Call) -> list[list[torch.Tensor]]:
     if call.views is None:
         state.ensure_gathered(unit)
-        call.views, call.node = make_views(state, unit)
+        # The grad mode of the forward call, not of the first use (a reentrant checkpoint runs
+        # it under no_grad): the node must exist for the output hooks and the usage check.
+        with torch.set_grad_enabled(call.grad_enabled):
+            call.views, call.node = make_views(state, unit)
         unit.install_views(call.views)
     return call.views
 

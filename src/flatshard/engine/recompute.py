@@ -59,6 +59,7 @@ class Call:
     kind: CallKind
     node: Any = None  # its counted UnitViews node, if it made one
     views: Any = None  # the root's tail: its views, made at their first use (see hooks.py)
+    grad_enabled: bool = True  # the root's tail: the grad mode its forward call began in
 
 
 def in_backward() -> bool:
