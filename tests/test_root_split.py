@@ -39,15 +39,12 @@ def lazy_parity(name: str, strategy: str = "full_shard", route: str | bool = Fal
 @pytest.mark.parametrize(
     "name, strategy, route, world",
     [
-        ("gpt_tied", "full_shard", False, 2),
         ("gpt_tied", "full_shard", False, 3),
         ("gpt_tied", "hybrid_shard", False, 4),
         ("gpt_nested_units", "full_shard", True, 2),
         ("gpt_tied", "full_shard", "around_reentrant", 2),
         ("gpt_tied", "full_shard", "inside_reentrant_parts", 3),
-        ("gpt_tied", "full_shard", "composable", 2),
         ("hf_llama", "full_shard", False, 3),
-        ("hf_llama", "full_shard", "hf_reentrant", 2),
         ("hf_gpt2", "full_shard", False, 2),
     ],
 )
