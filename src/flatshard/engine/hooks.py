@@ -168,7 +168,8 @@ def _post_forward(state: ShardedState, unit: Unit, module, args, kwargs, output)
     if state.summoned:
         return None
     call = unit.calls.pop() if unit.calls else Call(CallKind.FORWARD)
-    if unit.part == "tail" and call.kind is CallKind.FORWARD and call.views is None:
+    unused_tail = unit.part == "tail" and call.kind is CallKind.FORWARD and call.views is None
+    if unused_tail and unit.state is not ParamState.SHARDED:  # (sharded: its gather failed)
         _tail_views(state, unit, call)  # unused in this forward: its node must exist all the same
     if call.kind is CallKind.RECOMPUTE:  # views stay until this unit's post-backward
         return None
