@@ -21,7 +21,9 @@ def dist_pools():
 
     yield get
     for pool in pools.values():
-        pool.close()
+        # Not graceful: the session is over, and a worker's interpreter exit (destroying its
+        # process group) took ~10 s of the suite for nothing.
+        pool.close(graceful=False)
 
 
 @pytest.fixture

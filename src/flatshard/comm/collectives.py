@@ -96,6 +96,7 @@ def all_gather_into(
     label: str = "",
 ) -> PendingWork:
     """Async: gather every rank's ``shard`` into ``out`` (``out.numel() == world * shard.numel()``).
+    ``shard`` may be this rank's own chunk of ``out`` (in place, as FSDP2 gathers: no copy of it).
     ``group=None`` is a group of one: nothing to gather (callers alias ``out`` and ``shard``)."""
     if group is None:
         if out.data_ptr() != shard.data_ptr():
@@ -104,8 +105,15 @@ def all_gather_into(
     stats.record("all_gather", shard, group, label)
     if gloo_p2p.p2p_enabled(group, stats.p2p):
         return PendingWork(gloo_p2p.all_gather(out, shard, group), "all_gather", (out, shard))
+    if shard.device.type == "cpu" and _aliases(out, shard):
+        shard = shard.clone()  # Gloo's own all-gather is not documented to allow in place
     work = _all_gather_tensor(out, shard, group=group, async_op=True)
     return PendingWork(work, "all_gather", (out, shard))
+
+
+def _aliases(out: torch.Tensor, shard: torch.Tensor) -> bool:
+    start = out.data_ptr()
+    return start <= shard.data_ptr() < start + out.numel() * out.element_size()
 
 
 def reduce_scatter_sum(

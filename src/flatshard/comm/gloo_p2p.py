@@ -82,7 +82,8 @@ def all_gather(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup)
         dst, src = (rank + offset) % world, (rank - offset) % world
         works.append(dist.isend(shard, _peer(group, dst), group=group, tag=GATHER_TAG))
         works.append(dist.irecv(chunks[src], _peer(group, src), group=group, tag=GATHER_TAG))
-    chunks[rank].copy_(shard)
+    if chunks[rank].data_ptr() != shard.data_ptr():  # (in place: ``shard`` is our chunk)
+        chunks[rank].copy_(shard)
     return P2PWork(works, [])
 
 

@@ -129,9 +129,15 @@ class Bucket:
         world, process_group = self.topology.shard_world, self.topology.shard_group
         for g in groups:
             g.allocate_full()
-        send = torch.cat([g.send_shard(self.stats) for g in groups])
-        staging = self._scratch(world * send.numel(), send.dtype)
-        work = all_gather_into(staging, send, process_group, self.stats, self.label)
+        # This rank's row of the staging buffer is written from the shards and sent from there
+        # (the rank's own chunk: no separate send buffer, one copy fewer).
+        total = sum(g.shard_numel for g in groups)
+        staging = self._scratch(world * total, groups[0].compute_dtype)
+        own, offset = staging.view(world, total)[self.topology.shard_rank], 0
+        for g in groups:
+            g.write_send_shard(own[offset : offset + g.shard_numel], self.stats)
+            offset += g.shard_numel
+        work = all_gather_into(staging, own, process_group, self.stats, self.label)
 
         def copy_out(_timeout) -> None:
             rows, offset = staging.view(world, -1), 0

@@ -208,10 +208,22 @@ class FlatGroup:
         self._views, self._views_of = [], None
 
     def gather(self, group: dist.ProcessGroup | None, stats: CommStats) -> PendingWork:
-        """Async: all-gather every rank's shard straight into ``full`` (no copy-in, no copy-out);
-        under mixed precision the shard is cast first, once, so half the bytes travel."""
+        """Async: all-gather every rank's shard straight into ``full`` (no copy-in, no copy-out).
+        This rank's own chunk is written in place first (cast to the compute dtype, so half the
+        bytes travel under mixed precision) and sent from there: no separate send buffer."""
         self.allocate_full()
-        return all_gather_into(self.full.data, self.send_shard(stats), group, stats, self.label)
+        if group is None:
+            return all_gather_into(self.full.data, self.send_shard(stats), group, stats, self.label)
+        own = self.full.data.view(self.world, self.shard_numel)[self.rank]
+        self.write_send_shard(own, stats)
+        return all_gather_into(self.full.data, own, group, stats, self.label)
+
+    def write_send_shard(self, dest: torch.Tensor, stats: CommStats) -> None:
+        """Write this rank's shard as a gather sends it into ``dest`` (one copy, casting to the
+        compute dtype and moving an offloaded shard to the device on the way)."""
+        if self.offloaded:
+            stats.record("offload_h2d", self.shard)
+        dest.copy_(self.shard, non_blocking=self.offloaded)
 
     def send_shard(self, stats: CommStats) -> torch.Tensor:
         """This rank's shard as a gather sends it: on the device, in the compute dtype."""
