@@ -85,16 +85,22 @@ def case_switch(p2p: str) -> dict[str, object]:
     shard = torch.full((3,), float(dist.get_rank()))
     gathered = torch.empty(3 * world)
     gather = all_gather_into(gathered, shard, group, stats)
+    # In place, as the engine gathers: the shard is this rank's own chunk of the output.
+    in_place = torch.full((3 * world,), -1.0)
+    in_place[3 * dist.get_rank() :][:3] = float(dist.get_rank())
+    gather_in_place = all_gather_into(in_place, in_place[3 * dist.get_rank() :][:3], group, stats)
     full = torch.arange(4.0 * world)
     reduced = torch.empty(4)
     reduce = reduce_scatter_sum(reduced, full, group, stats)
     p2p_work = isinstance(gather.work, gloo_p2p.P2PWork)  # before wait() drops it
     gather.wait(TIMEOUT)
+    gather_in_place.wait(TIMEOUT)
     reduce.wait(TIMEOUT)
     return {
         "enabled": gloo_p2p.p2p_enabled(group, stats.p2p),
         "p2p_work": p2p_work,
         "gathered": gathered.tolist(),
+        "gathered_in_place": in_place.tolist(),
         "reduced": reduced.tolist(),
     }
 
@@ -105,7 +111,9 @@ def test_switch_between_p2p_and_gloo_collectives(dist_pools):
     for rank in range(world):
         assert on[rank]["enabled"] and on[rank]["p2p_work"]
         assert not off[rank]["enabled"] and not off[rank]["p2p_work"]
-        assert on[rank]["gathered"] == off[rank]["gathered"] == [0.0] * 3 + [1.0] * 3 + [2.0] * 3
+        expected_gather = [0.0] * 3 + [1.0] * 3 + [2.0] * 3
+        assert on[rank]["gathered"] == off[rank]["gathered"] == expected_gather
+        assert on[rank]["gathered_in_place"] == off[rank]["gathered_in_place"] == expected_gather
         expected = [world * float(4 * rank + i) for i in range(4)]
         assert on[rank]["reduced"] == off[rank]["reduced"] == expected
 
