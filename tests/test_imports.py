@@ -45,3 +45,22 @@ def test_heavy_dependencies_are_extras_not_core_requirements():
     core = [d.split(";")[0].split(">")[0].split("=")[0].strip() for d in project["dependencies"]]
     assert not set(core) & set(HEAVY), core
     assert {"tqdm", "matplotlib"} <= set(project["optional-dependencies"]["train"])
+
+
+def test_a_bare_import_of_flatshard_imports_no_heavy_dependency_at_all():
+    """Counted from an empty interpreter, not after torch: torch imports tqdm itself when it is
+    installed, so ``import flatshard`` must not import torch either (names load on first use)."""
+    code = "import sys, json; import flatshard; print(json.dumps(sorted(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = {m.split(".")[0] for m in json.loads(done.stdout.strip().splitlines()[-1])}
+    assert not loaded & {*HEAVY, "torch"}, sorted(loaded & {*HEAVY, "torch"})
+
+
+def test_every_public_name_loads_lazily():
+    import flatshard as fs
+
+    lazy = set(fs._WHERE) | set(fs._SUBPACKAGES)
+    assert set(fs.__all__) == lazy, set(fs.__all__) ^ lazy
+    for name in fs.__all__:
+        assert getattr(fs, name) is not None, name
