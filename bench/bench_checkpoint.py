@@ -46,6 +46,7 @@ from flatshard.bench import AnchorGPT as GPT
 from flatshard.checkpoint import digest_writer
 from flatshard.checkpoint.digest_writer import DigestWriter
 from flatshard.checkpoint.safety import describe_file
+from flatshard.comm.shutdown import end_process_group
 
 
 def build(mode: str, args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -265,7 +266,7 @@ def main() -> None:
         report(out, args)
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=1))
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from torch import nn
 
 import flatshard as fs
 from flatshard.bench import WARMUP, AnchorBlock, AnchorGPT, Runner, median, run_rounds, train_step
+from flatshard.comm.shutdown import end_process_group
 
 MODES = ("eager", "blocks", "model", "local", "local_blocks")
 PAIRS = (("blocks", "eager"), ("model", "eager"), ("local_blocks", "local"), ("eager", "local"))
@@ -153,7 +154,7 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=1)
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

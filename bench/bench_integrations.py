@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import flatshard as fs
+from flatshard.comm.shutdown import end_process_group
 from flatshard.models import GPT, GPTConfig
 from flatshard.models.block import Block
 
@@ -226,11 +227,10 @@ def main() -> None:
                 f"{name:12s} {m:8.1f} ms/step (min {min(values):.1f}, max {max(values):.1f}){ratio}"
             )
     torch.distributed.barrier()  # every rank done before any tears its group down
-    torch.distributed.destroy_process_group()
-    # Skip the interpreter's finalization: after Lightning and the HF Trainer have run, a C++
-    # thread left behind aborted the process at exit once in a CI run ("terminate called
-    # without an active exception", SIGABRT after every figure was printed; cf. pytorch#179291
-    # on Gloo work outliving finalization). Everything is written and flushed by now.
+    end_process_group()
+    # end_process_group handles Gloo's exit abort ([Note: the exit abort]); the interpreter's
+    # finalization is skipped as well, for threads Lightning and the HF Trainer leave behind.
+    # Everything is written and flushed by now.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

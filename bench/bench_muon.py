@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 import flatshard as fs
 from flatshard.bench import AnchorBlock, AnchorGPT
+from flatshard.comm.shutdown import end_process_group
 from flatshard.optim.newton_schulz import orthogonalize
 from flatshard.optim.whole import assign_owners, rounds_of
 
@@ -128,7 +129,7 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=1)
     dist.barrier()  # every rank done communicating before any tears its group down
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import flatshard as fs
+from flatshard.comm.shutdown import end_process_group
 from flatshard.models import GPT, Block, GPTConfig
 
 SETTINGS = {
@@ -82,7 +83,7 @@ def main() -> None:
             sent = fs.comm_stats(model).bytes
             comm[name] = {op: sent.get(op, 0) for op in ("all_gather", "reduce_scatter")}
     report(args, times, comm, rank)
-    dist.destroy_process_group()
+    end_process_group()
 
 
 def report(args, times: dict, comm: dict, rank: int) -> None:

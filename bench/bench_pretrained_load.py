@@ -37,6 +37,7 @@ import torch.multiprocessing as mp
 
 import flatshard as fs
 from flatshard.checkpoint.layout import model_layout
+from flatshard.comm.shutdown import end_process_group
 from flatshard.models import GPT, GPTConfig
 from flatshard.models.block import Block
 
@@ -127,7 +128,7 @@ def rank_main(rank: int, world: int, path: str, port: int, args) -> None:
     result["shard_mb"] = shard_mb
     result["ru_maxrss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / MB
     Path(path).with_name(f"result_{world}_{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    end_process_group()
 
 
 def _free_port() -> int:

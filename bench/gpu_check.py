@@ -29,6 +29,7 @@ from gpu_check_common import LINES, TOL, Ctx, lm_loss, rel_err, say, setup, step
 from gpu_check_routes import ROUTE_CHECKS
 
 import flatshard as fs
+from flatshard.comm.shutdown import end_process_group
 from flatshard.models import GPT, Block
 
 
@@ -202,7 +203,7 @@ def main() -> int:
         json.dump(out, f, indent=1, default=str)
     with open(os.path.join(args.out, "gpu_check.txt"), "w") as f:
         f.write("\n".join(LINES) + "\n")
-    dist.destroy_process_group()
+    end_process_group()
     return 0 if ok else 1
 
 

@@ -53,7 +53,9 @@ def _worker(rank: int, world: int, port: int, path: list[str], jobs, results) ->
             results.put((rank, True, fn(*args)))
         except BaseException:  # report everything, the pool decides
             results.put((rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
+    from flatshard.comm.shutdown import end_process_group
+
+    end_process_group()
 
 
 class DistPool:

@@ -52,6 +52,7 @@ SCRIPTS = {
             "{tmp}",
         ],
     ),
+    "bench_exit.py": ([sys.executable], ["--runs", "1"]),
     "gpu_check.sh": (["bash"], ["{tmp}"]),
 }
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import flatshard as fs
+from flatshard.comm.shutdown import end_process_group
 
 MODES = ("flatshard", "fsdp2", "ddp", "local")
 PRECISIONS = ("fp32", "bf16")
@@ -311,7 +312,7 @@ def worker(args: argparse.Namespace) -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=1)
-    dist.destroy_process_group()
+    end_process_group()
 
 
 def _gather_rss() -> list[float]:

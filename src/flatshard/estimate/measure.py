@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..api import get_state
+from ..comm.shutdown import end_process_group
 
 __all__ = ["LiveBytes", "build", "measure_step", "spawn_measure"]
 
@@ -162,7 +163,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, kwargs: dict) -> Non
         result = measure_step(**kwargs)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        end_process_group()
 
 
 def spawn_measure(world: int, **kwargs: object) -> list[dict[str, int]]:

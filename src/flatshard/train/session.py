@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import flatshard as fs
+from flatshard.comm.shutdown import end_process_group
 from flatshard.train import hf_model
 from flatshard.train.build import (
     Env,
@@ -324,7 +325,7 @@ def worker_main(cfg: TrainConfig, resume: bool) -> dict[str, Any] | None:
         try:
             return run_worker(cfg, env, resume)
         finally:
-            dist.destroy_process_group()
+            end_process_group()  # see [Note: the exit abort]
     except USER_ERRORS as e:
         _report(e, rank, user_error=True)
         raise SystemExit(2) from None
