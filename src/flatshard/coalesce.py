@@ -29,7 +29,8 @@ class Coalesce:
 
     bucket_bytes: int = 8 * MIB
     """Largest bucket: the most gathered bytes held at once for one bucket (the next bucket
-    may be prefetched while one computes, as with ``Prefetch``)."""
+    may be prefetched while one computes, as with ``Prefetch``). Also the largest released
+    bucket storage kept for reuse (``engine/bucket_storage.py``: two by default)."""
 
     buckets: tuple[tuple[str, ...], ...] | None = None
     """Explicit buckets, by module name (as in ``model.named_modules()``, the units the policy

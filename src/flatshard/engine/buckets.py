@@ -19,12 +19,14 @@ travel*: each member keeps its own flat layout, fragments, full buffer and state
   ``PendingReduce`` views its part. At the end of backward a bucket that some but not all
   members reported to is reduced with zeros for the others, as an unreduced unit would be.
 * Memory: the members' private buffers are views of one ``SharedStorage`` per bucket (one
-  allocation per bucket gather, freed when the last member releases; no saved-tensor hooks
-  needed), the gradients are written straight from autograd's per-parameter gradients into
-  the bucket's chunked buffer (no flat copy per member), and the staging and chunked scratch
-  buffers are borrowed from the gather pool when the model has one. Under
-  ``MALLOC_MMAP_THRESHOLD_=65536`` every fresh buffer is a fresh mapping with page faults;
-  one buffer per member per gather made 100 tiny units 1.24x slower (measured).
+  allocation per bucket gather, released when the last member releases; no saved-tensor
+  hooks needed; ``StorageCache`` keeps the memory of the first few released storages for
+  their next gather instead of freeing it), the gradients are written straight from
+  autograd's per-parameter gradients into the bucket's chunked buffer (no flat copy per
+  member), and the staging and chunked scratch buffers are borrowed from the gather pool when
+  the model has one. Under ``MALLOC_MMAP_THRESHOLD_=65536`` every fresh buffer is a fresh
+  mapping with page faults; one buffer per member per gather made 100 tiny units 1.24x slower
+  (measured).
 
 The copies into and out of the staging buffers are the price (FSDP2 pays them for every
 unit); they are why only units of at most ``Coalesce.unit_bytes`` are coalesced by default.
@@ -37,50 +39,13 @@ import torch
 from ..coalesce import Coalesce
 from ..comm.collectives import CommStats, PendingWork, all_gather_into, reduce_scatter_sum
 from ..precision import sum_scaling
+from .bucket_storage import SharedStorage, StorageCache
 from .flat_group import FlatGroup, data_parallel_world, divided, then_replicas
 from .gather_pool import GatheredBytes, GatherPool
-from .layout import align_elements, aligned_offsets
 from .mesh import Topology
 from .unit import ParamState, PendingReduce, Unit
 
 GradEntry = tuple[FlatGroup, "torch.Tensor | tuple", torch.Tensor]  # (group, gradient, used)
-
-
-class SharedStorage:
-    """One storage under the full buffers of a bucket's members of one compute dtype: each
-    member's private buffer is a view of it, so a regather makes saved views valid again as
-    for any private buffer ([Note: full buffer lifetime]), but a bucket gather allocates once,
-    not once per member. Allocated while any member holds its part, freed when none does."""
-
-    def __init__(self, groups: list[FlatGroup], account: GatheredBytes) -> None:
-        dtype = groups[0].compute_dtype
-        starts = aligned_offsets([g.padded_numel for g in groups], align_elements(dtype))
-        self.buffer = torch.empty(starts[-1], dtype=dtype, device=groups[0].device)
-        self.nbytes = self.buffer.untyped_storage().nbytes()
-        self.account = account
-        self._holders: set[int] = set()
-        for g, offset in zip(groups, starts, strict=False):  # each on a 16-byte boundary too
-            g.share_storage(self, self.buffer[offset : offset + g.padded_numel])
-        self.buffer.untyped_storage().resize_(0)  # the views keep pointing at it
-
-    @property
-    def allocated(self) -> bool:
-        return bool(self._holders)
-
-    def holds(self, group: FlatGroup) -> bool:
-        return id(group) in self._holders
-
-    def hold(self, group: FlatGroup) -> None:
-        if not self._holders:
-            self.buffer.untyped_storage().resize_(self.nbytes)
-            self.account.change(self.nbytes)
-        self._holders.add(id(group))
-
-    def release(self, group: FlatGroup) -> None:
-        self._holders.discard(id(group))
-        if not self._holders and self.buffer.untyped_storage().nbytes():
-            self.buffer.untyped_storage().resize_(0)
-            self.account.change(-self.nbytes)
 
 
 class Bucket:
@@ -94,6 +59,7 @@ class Bucket:
         stats: CommStats,
         pool: GatherPool | None,
         account: GatheredBytes,
+        cache: StorageCache | None = None,
     ) -> None:
         self.index = index
         self.units = units
@@ -105,7 +71,9 @@ class Bucket:
         self._reported: set[int] = set()
         self._trainable = [u for u in units if u.trainable_groups]
         groups = [g for u in units for g in u.groups]
-        self.storages = [SharedStorage(list(gs), account) for gs in _by(groups, "compute_dtype")]
+        self.storages = [
+            SharedStorage(list(gs), account, cache) for gs in _by(groups, "compute_dtype")
+        ]
         trainable = [u.groups[i] for u in self._trainable for i in u.trainable_groups]
         self._offsets = _offsets(trainable)
         for unit in units:

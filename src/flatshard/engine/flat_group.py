@@ -124,7 +124,7 @@ class FlatGroup:
         self._chunk_spans: list[list[gloo_p2p.Span]] | None = None  # see _reduce_scatter
         self._views: list[torch.Tensor] = []  # full_views of ``_views_of`` (a ``full``)
         self._views_of: torch.Tensor | None = None
-        self.shared = None  # a buckets.SharedStorage holding ``_private``, if coalesced
+        self.shared = None  # a bucket_storage.SharedStorage holding ``_private``, if coalesced
         self.chunk_plan: list | None = None  # see buckets.write_chunked
         self.free_full()
 

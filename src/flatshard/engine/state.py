@@ -25,6 +25,7 @@ from ..comm.collectives import CommStats, all_reduce
 from ..comm.fingerprint import check_ranks_agree
 from ..prefetch import Prefetch
 from ..switches import Switches
+from .bucket_storage import StorageCache
 from .buckets import Bucket, plan_buckets
 from .gather_pool import GatheredBytes, GatherPool
 from .mesh import Topology
@@ -84,6 +85,7 @@ class ShardedState:
         self.root = root
         self.buckets: list[Bucket] = []
         self.buckets_planned = False
+        self.storage_cache: StorageCache | None = None  # made with the buckets
         # The root's tail (see root_split.py) starts every backward: the last unit of the
         # forward is not the first of the backward then.
         self.tail_first = any(u.part == "tail" for u in units)
@@ -108,10 +110,16 @@ class ShardedState:
         pooled = [g for g in pooled if not g.replicated]
         if not pooled:
             return None
-        pool = GatherPool(max(2, self.prefetch_policy.forward + 1), self.gathered_bytes)
+        pool = GatherPool(self.buffers_kept, self.gathered_bytes)
         for g in pooled:
             g.pool = pool
         return pool
+
+    @property
+    def buffers_kept(self) -> int:
+        """Free buffers kept for reuse per kind (pool) and bucket storages kept (cache): the
+        unit computing and those prefetched."""
+        return max(2, self.prefetch_policy.forward + 1)
 
     def gathered_buffers(self) -> list[torch.Tensor]:
         """Every buffer that holds (or is kept for) gathered parameters now (accounting)."""
@@ -129,8 +137,11 @@ class ShardedState:
             return
         lines = [f"bucket {' '.join(str(u.index) for u in b)}" for b in buckets]
         check_ranks_agree(lines, dist.group.WORLD)
+        self.storage_cache = StorageCache(self.buffers_kept, self.coalesce.bucket_bytes)
         self.buckets = [
-            Bucket(i, b, self.topology, self.stats, self.pool, self.gathered_bytes)
+            Bucket(
+                i, b, self.topology, self.stats, self.pool, self.gathered_bytes, self.storage_cache
+            )
             for i, b in enumerate(buckets)
         ]
 

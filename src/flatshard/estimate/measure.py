@@ -91,17 +91,19 @@ def build(
     reduce: str | None = None,
     coalesce: bool = True,
     split_root: bool = True,
+    layers: int | None = None,
     seed: int = 0,
 ) -> tuple[nn.Module, torch.optim.Optimizer, int]:
     """The reference GPT preset ``model_name`` sharded one unit per ``Block`` (optionally
     ``fs.checkpoint_activations`` on every block; ``precision="bf16"``:
     ``fs.MixedPrecision(param_dtype=bf16, reduce_dtype=reduce or bf16)``), its AdamW, its vocab.
-    ``coalesce``/``split_root``: ``False`` is passed to ``fs.shard``; otherwise its defaults."""
+    ``coalesce``/``split_root``: ``False`` is passed to ``fs.shard``; otherwise its defaults.
+    ``layers``: the preset with that many blocks instead."""
     import flatshard as fs
     from flatshard.models import GPT, Block, GPTConfig
 
     torch.manual_seed(seed)
-    cfg = GPTConfig.preset(model_name)
+    cfg = GPTConfig.preset(model_name, **({"n_layers": layers} if layers else {}))
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     mp = None
     if precision != "fp32":

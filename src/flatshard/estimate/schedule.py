@@ -10,7 +10,8 @@ is released after forward, and under full_shard the gather pool lends buffers to
 gathered alone and scratch buffers to the buckets (staging of a gather, the chunked gradient
 of a reduction). The pool keeps up to ``max(2, prefetch_forward + 1)`` free buffers of each
 dtype, best fit, until the end of the next forward; flatshard counts them as gathered, and so
-does the replay.
+does the replay. Released bucket storages stay allocated too, the first ``keep`` of them
+(``engine/bucket_storage.py``, ``StorageCache``), until their bucket is gathered again.
 
 Two step orders, as the engine records them on the first iteration: forward (tail, root,
 blocks) and backward (root, tail, blocks in reverse; backward never prefetches the root units).
@@ -115,6 +116,9 @@ class _Replay:
         self.backward = dict(pairwise(["root", *tail, *reversed(blocks)]))
         self.state: dict[Key, str] = {k: "sharded" for k in ["root", *tail, *blocks]}
         self.private: set[Key] = set()  # holding their full buffer (a bucket's: shared)
+        # buckets whose released storage the engine's StorageCache keeps (at most `keep`)
+        self.cached: list[tuple[int, ...]] = []
+        self.cache_keep = max(2, layout.prefetch_forward + 1)
         self.borrowed: dict[Key, int] = {}  # blocks in pool buffers -> their handle
         self.works: dict[Key, int] = {}  # a gathering unit -> its work (shared by a bucket)
         # work -> (its send buffer, its staging rows when not pooled, their pool handle)
@@ -137,6 +141,7 @@ class _Replay:
 
     def snap(self, name: str) -> None:
         held = {self.bucket(k) or (k,) for k in self.private}  # a bucket's storage once
+        held |= set(self.cached)
         gathered = sum(self.full(k) for keys in held for k in keys)
         pooled = self.pool.nbytes if self.pool else 0
         inputs = sum(send + staging for send, staging, _ in self.in_flight.values())
@@ -155,6 +160,8 @@ class _Replay:
                 self.private.add(key)
             self.state[key] = "gathering"
             self.works[key] = self.issued
+            if self.bucket(key) in self.cached:  # its storage's memory is reused
+                self.cached.remove(self.bucket(key))  # type: ignore[arg-type]
         shard = sum(self.full(k) for k in keys) // world
         if len(keys) > 1:  # a bucket: the concatenated shards, and world rows of staging
             pooled = self.pool.acquire(self.kinds[0], world * shard) if self.pool else None
@@ -176,8 +183,18 @@ class _Replay:
             self.wait(key)
         if key in self.borrowed:
             self.pool.release(self.borrowed.pop(key))  # type: ignore[union-attr]
-        self.private.discard(key)
+        if key in self.private:
+            self.private.discard(key)
+            self._released(self.bucket(key))
         self.state[key] = "sharded"
+
+    def _released(self, bucket: tuple[int, ...] | None) -> None:
+        """A member let go: the bucket's storage, once no member holds it, stays in the
+        engine's ``StorageCache`` while it has room (automatic buckets fit its size limit)."""
+        if bucket is None or any(k in self.private for k in bucket):
+            return
+        if len(self.cached) < self.cache_keep:
+            self.cached.append(bucket)
 
     def gather_for_step(self, key: Key, moment: str | None = None) -> None:
         """Gather ``key`` with its bucket and wait; ``moment``: the instant before the wait,
