@@ -93,7 +93,8 @@ class MemoryStats:
     shard_bytes: int
     """Parameter shards (what the optimizer steps on)."""
     gathered_bytes: int
-    """Gathered (full) parameter buffers allocated now, pooled ones included."""
+    """Gathered (full) parameter buffers allocated now, pooled ones and the bucket storages
+    kept for reuse included."""
     gathered_peak_bytes: int
     """The most ``gathered_bytes`` has been since the last peak reset."""
     pool_allocations: int
