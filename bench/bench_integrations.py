@@ -17,9 +17,7 @@ own collectives. Reported: medians over rounds and the ratio to the plain loop.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 import warnings
 
@@ -28,7 +26,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import flatshard as fs
-from flatshard.comm.shutdown import end_process_group
+from flatshard.comm.shutdown import exit_after_group
 from flatshard.models import GPT, GPTConfig
 from flatshard.models.block import Block
 
@@ -226,14 +224,7 @@ def main() -> None:
             print(
                 f"{name:12s} {m:8.1f} ms/step (min {min(values):.1f}, max {max(values):.1f}){ratio}"
             )
-    torch.distributed.barrier()  # every rank done before any tears its group down
-    end_process_group()
-    # end_process_group handles Gloo's exit abort ([Note: the exit abort]); the interpreter's
-    # finalization is skipped as well, for threads Lightning and the HF Trainer leave behind.
-    # Everything is written and flushed by now.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_after_group()  # Lightning and the HF Trainer leave threads behind ([Note: the exit abort])
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ aborts it prevents)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -33,3 +34,22 @@ def test_end_process_group_without_a_group_is_a_no_op():
     code = "from flatshard.comm import shutdown; shutdown.end_process_group(); print('ok')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+EXIT_SCRIPT = """
+import atexit, sys, torch.distributed as dist
+from flatshard.comm import shutdown
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+atexit.register(lambda: print("finalized"))  # must not run: no interpreter finalization
+print("written", end="")  # still in the buffer: exit_after_group must flush it
+sys.stderr.write("warned")
+shutdown.exit_after_group(3)
+print("after")
+"""
+
+
+def test_exit_after_group_flushes_and_skips_finalization():
+    run = [sys.executable, "-c", EXIT_SCRIPT]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # buffered stdout
+    out = subprocess.run(run, capture_output=True, text=True, timeout=60, env=env)
+    assert (out.returncode, out.stdout, out.stderr) == (3, "written", "warned"), out

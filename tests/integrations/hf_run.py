@@ -19,6 +19,7 @@ from torch.utils.data import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 import flatshard as fs
+from flatshard.comm.shutdown import exit_after_group
 from flatshard.integrations.transformers import FlatshardTrainer
 
 CONFIG = LlamaConfig(
@@ -148,6 +149,7 @@ def main() -> None:
     res["flat_bf16"], _ = run(FlatshardTrainer, out / "flatbf16", steps=4, bf16=True)
     res["sft_ddp"], res["sft_flat"] = sft_losses(out)
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(res))
+    exit_after_group()  # the trainers leave threads behind ([Note: the exit abort])
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from lightning.pytorch.plugins import MixedPrecision
 from torch.utils.data import DataLoader, TensorDataset
 
 import flatshard as fs
+from flatshard.comm.shutdown import exit_after_group
 from flatshard.integrations.lightning import (
     FabricFlatshardStrategy,
     FlatshardPrecision,
@@ -233,6 +234,7 @@ def main() -> None:
     }
     rank = torch.distributed.get_rank()
     (out / f"rank{rank}.json").write_text(json.dumps(results))
+    exit_after_group()  # the trainers leave threads behind ([Note: the exit abort])
 
 
 if __name__ == "__main__":

@@ -15,11 +15,17 @@ may finalize. ``bench/bench_exit.py`` counts the aborts (30 runs each on the 2-c
 with ``destroy_process_group`` alone (9 with the script it was distilled from), none with
 :func:`end_process_group`. Every flatshard worker entry point (``flatshard train``,
 ``flatshard bench``, the estimator's measurement, the bench scripts) ends its group with it.
+Scripts that ran the Lightning or Hugging Face trainers end with :func:`exit_after_group`:
+those leave threads of their own behind, and the abort was seen there too, in a script that
+never destroyed the group the HF Trainer had made (CI, session 8).
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import time
+from typing import NoReturn
 
 import torch.distributed as dist
 
@@ -32,3 +38,15 @@ def end_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     time.sleep(GIL_HANDOVER_S)
+
+
+def exit_after_group(code: int = 0) -> NoReturn:
+    """Wait for every rank, end the process group, flush, and leave without the interpreter's
+    finalization (for workers whose libraries leave threads behind; see the Note). Call it
+    once everything is written."""
+    if dist.is_initialized():
+        dist.barrier()  # every rank done before any tears its group down
+    end_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
