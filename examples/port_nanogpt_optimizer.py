@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import flatshard as fs
+from flatshard.comm.shutdown import end_process_group
 from flatshard.models import GPT, GPTConfig
 
 
@@ -63,7 +64,9 @@ def worker() -> None:
             print(f"step {step}: loss {loss.item():.3f}, grad norm {norm.item():.3f}")
     if dist.get_rank() == 0:
         print(f"{unsharded_decay} matrices decayed, as on the unsharded model")
-    dist.destroy_process_group()
+    # dist.destroy_process_group(), plus a pause that lets torch 2.13's Gloo threads finish
+    # before the interpreter exits (they can abort it otherwise: docs/reliability.md, section 8)
+    end_process_group()
 
 
 def _spawned(rank: int, world: int) -> None:
