@@ -2,11 +2,13 @@
 
 One launch for the module (Lightning is heavy): ``integrations/lightning_run.py`` runs every
 case at world 2 under Lightning's own launcher (it starts rank 1 by re-running the script,
-as for a user's ``train.py``); each test reads what both ranks measured.
+as for a user's ``train.py``); each test reads what both ranks measured. The tests without the
+``ranks`` fixture construct a Trainer or Fabric in this process and launch nothing.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -80,3 +82,21 @@ def test_fabric_init_module_on_meta(ranks):
         meta = res["fabric"]["meta"]
         assert meta["built_on_meta"] and meta["materialised"] and meta["finite"]
         assert 3.0 < meta["loss"] < 5.0  # ln(64) = 4.16 at init
+
+
+def test_each_flavour_refuses_the_other_strategy_class_naming_its_own():
+    # one class cannot serve both flavours (see [Note: one class per flavour] in base.py); the
+    # mistake must still say which class to use
+    import lightning as L
+
+    from flatshard.integrations.lightning import FabricFlatshardStrategy, FlatshardStrategy
+
+    fabric_class = "flatshard.integrations.lightning.fabric.FlatshardStrategy"
+    with pytest.raises(ValueError, match=re.escape(f"for lightning.Fabric use {fabric_class}")):
+        L.Fabric(accelerator="cpu", devices=1, strategy=FlatshardStrategy())
+    trainer_class = "flatshard.integrations.lightning.FlatshardStrategy"
+    with pytest.raises(ValueError, match=re.escape(f"for lightning.Trainer use {trainer_class}")):
+        L.Trainer(accelerator="cpu", devices=1, strategy=FabricFlatshardStrategy(), logger=False)
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=FabricFlatshardStrategy())
+    assert type(fabric.strategy) is FabricFlatshardStrategy  # the class the message names
+    assert f"{type(fabric.strategy).__module__}.FlatshardStrategy" == fabric_class

@@ -1,4 +1,5 @@
-"""``flatshard train`` end to end on 2 local CPU ranks: outputs, checkpoints, exact resume.
+"""``flatshard train`` end to end on 2 local CPU ranks: outputs, checkpoints, exact resume (and
+one 1-rank run without matplotlib).
 
 The CI check of issue 7: ``--steps 40 --nproc 2 --out DIR`` then ``--steps 50 --resume`` must
 continue the very same curve as an uninterrupted 50-step run (fp32: equal losses). A tiny model
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -102,3 +104,39 @@ def test_fresh_run_into_old_checkpoints_is_refused(runs):
     done = _train(*config, "--steps", "5", "--out", str(root / "a"))
     assert done.returncode == 2
     assert "already holds checkpoints (newest step_000050); pass --resume" in done.stderr
+
+
+# The worker itself, in this one process (torchrun's variables for world 1), with matplotlib
+# hidden: ``None`` in sys.modules makes every ``import matplotlib...`` raise ModuleNotFoundError.
+_NO_MATPLOTLIB = (
+    "import sys; sys.modules['matplotlib'] = None; "
+    "from flatshard.train.cli import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_without_matplotlib_the_run_says_which_files_it_wrote(tmp_path):
+    (tmp_path / "tiny.toml").write_text(TINY_TOML)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+               OMP_NUM_THREADS="1")  # fmt: skip
+    out = tmp_path / "out"
+    args = ["--config", str(tmp_path / "tiny.toml"), "--steps", "4", "--out", str(out),
+            "--checkpoint.enabled", "false", "--log.plot_every", "2"]  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", _NO_MATPLOTLIB, *args],
+                          capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not (out / "loss.png").exists() and not (out / "memory.png").exists()
+    wrote = [line for line in done.stdout.splitlines() if "wrote " in line]
+    assert len(wrote) == 1, done.stdout
+    assert "loss.png" not in wrote[0].split(";")[0]  # not among the files written
+    assert "metrics.jsonl" in wrote[0] and "config.toml" in wrote[0]
+    assert "matplotlib is not installed" in wrote[0] and "flatshard[train]" in wrote[0]
+    # the reason is given once during the run, not at every plot (steps 2 and 4)
+    assert done.stdout.count("matplotlib is not installed") == 2, done.stdout

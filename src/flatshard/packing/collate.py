@@ -112,37 +112,74 @@ def collate(
     ``rows * seq_len`` tokens and can go straight to :func:`varlen_attention` or
     ``flash_attn_varlen_func``.
     """
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
-        raise ValueError(f"seq_len={seq_len!r} must be a positive int (tokens per row)")
+    _check_seq_len(seq_len)
     lengths = [len(d) for d in docs]
     layout = _layout_rows(lengths, seq_len, rows)
-    n_rows = len(layout)
-    input_ids = torch.full((n_rows, seq_len), pad_id, dtype=torch.long)
-    labels = torch.full((n_rows, seq_len), IGNORE_INDEX, dtype=torch.long)
-    position_ids = torch.empty((n_rows, seq_len), dtype=torch.long)
-    document_ids = torch.full((n_rows, seq_len), -1, dtype=torch.long)
+    rows_out = _RowTensors.empty(len(layout), seq_len, pad_id)
     segments: list[int] = []
     for r, members in enumerate(layout):
-        col = 0
-        for i in members:
-            n = lengths[i]
-            tokens = torch.as_tensor(list(docs[i]), dtype=torch.long)
-            input_ids[r, col : col + n] = tokens
-            labels[r, col : col + n - 1] = tokens[1:]
-            position_ids[r, col : col + n] = torch.arange(n)
-            document_ids[r, col : col + n] = i
-            segments.append(n)
-            col += n
-        if col < seq_len:
-            position_ids[r, col:] = torch.arange(seq_len - col)
-            segments.append(seq_len - col)
+        segments += _fill_row(rows_out, r, [(i, docs[i]) for i in members], seq_len)
+    return PackedBatch(
+        input_ids=rows_out.input_ids,
+        labels=rows_out.labels,
+        position_ids=rows_out.position_ids,
+        cu_seqlens=_cu_seqlens(segments),
+        max_seqlen=max(segments),
+        document_ids=rows_out.document_ids,
+    )
+
+
+def _check_seq_len(seq_len: object) -> None:
+    # bool is an int subclass: seq_len=True would silently mean one token per row
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
+        raise ValueError(f"seq_len={seq_len!r} must be a positive int (tokens per row)")
+
+
+@dataclass(frozen=True)
+class _RowTensors:
+    """The four ``[rows, seq_len]`` tensors of a batch being filled, padding everywhere at first
+    (``position_ids`` is written in full by :func:`_fill_row`, so it starts uninitialised)."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    document_ids: torch.Tensor
+
+    @classmethod
+    def empty(cls, n_rows: int, seq_len: int, pad_id: int) -> _RowTensors:
+        shape = (n_rows, seq_len)
+        return cls(
+            input_ids=torch.full(shape, pad_id, dtype=torch.long),
+            labels=torch.full(shape, IGNORE_INDEX, dtype=torch.long),
+            position_ids=torch.empty(shape, dtype=torch.long),
+            document_ids=torch.full(shape, -1, dtype=torch.long),
+        )
+
+
+def _fill_row(
+    out: _RowTensors, r: int, members: list[tuple[int, Sequence[int]]], seq_len: int
+) -> list[int]:
+    """Write documents ``members`` (``(index in docs, tokens)``, in order) into row ``r`` of
+    ``out``; returns the row's segment lengths: one per document, then the padding tail."""
+    segments: list[int] = []
+    col = 0
+    for i, doc in members:
+        n = len(doc)
+        tokens = torch.as_tensor(list(doc), dtype=torch.long)
+        out.input_ids[r, col : col + n] = tokens
+        out.labels[r, col : col + n - 1] = tokens[1:]  # the last token's target stays -100
+        out.position_ids[r, col : col + n] = torch.arange(n)
+        out.document_ids[r, col : col + n] = i
+        segments.append(n)
+        col += n
+    if col < seq_len:  # the padding tail is a segment of its own (positions from 0 again)
+        out.position_ids[r, col:] = torch.arange(seq_len - col)
+        segments.append(seq_len - col)
+    return segments
+
+
+def _cu_seqlens(segments: list[int]) -> torch.Tensor:
+    """int32 ``[0, s0, s0 + s1, ...]``, as ``flash_attn_varlen_func`` takes them."""
     cu_seqlens = torch.zeros(len(segments) + 1, dtype=torch.int32)
     cu_seqlens[1:] = torch.cumsum(torch.tensor(segments, dtype=torch.int64), 0)
-    return PackedBatch(
-        input_ids=input_ids,
-        labels=labels,
-        position_ids=position_ids,
-        cu_seqlens=cu_seqlens,
-        max_seqlen=max(segments),
-        document_ids=document_ids,
-    )
+    return cu_seqlens

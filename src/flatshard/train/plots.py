@@ -7,6 +7,7 @@ Each image is written to a temporary file and renamed, so a viewer never sees ha
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 from typing import Any
@@ -53,14 +54,25 @@ def plot_memory(rows: list[dict[str, Any]], path: Path, what: str) -> None:
 
 
 def write_plots(rows: list[dict[str, Any]], out: Path, *, title: str, memory_kind: str) -> str:
-    """Both plots; returns "" or why they could not be drawn (plots never stop a run)."""
+    """Both plots; returns "" once both are written, else why not (plots never stop a run)."""
     if not rows:
-        return ""
+        return "no steps recorded yet"
     try:
         plot_loss(rows, out / "loss.png", title)
         plot_memory(rows, out / "memory.png", memory_kind)
-    except ImportError:
-        return "plots skipped: matplotlib is not installed (pip install 'flatshard[train]')"
+    except ImportError as e:
+        return _import_failure(e)
     except (OSError, ValueError, RuntimeError) as e:
-        return f"plots skipped: {type(e).__name__}: {e}"
+        return f"{type(e).__name__}: {e}"
     return ""
+
+
+def _import_failure(e: ImportError) -> str:
+    # matplotlib absent (the [train] extra not installed) and a broken install need different
+    # fixes; find_spec asks whether it is there without importing it again
+    if importlib.util.find_spec("matplotlib") is None:
+        return (
+            "matplotlib is not installed; pip install 'flatshard[train]' (or pip install "
+            "matplotlib) to get them"
+        )
+    return f"matplotlib could not be imported ({e}); reinstall it: pip install -U matplotlib"

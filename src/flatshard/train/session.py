@@ -235,17 +235,27 @@ def _finish(run: Run) -> dict[str, Any] | None:
     )
     if text:
         run.say(f"sample: {text!r}")
-    run.say(
-        f"wrote {run.out}/metrics.jsonl, loss.png, memory.png, config.toml"
-        + (", checkpoints/" if run.ckpt is not None else "")
-        + (", hf/ (from_pretrained)" if run.cfg.model.hf else "")
-    )
+    run.say(_outputs_line(run))
     return {
         "steps": last["step"],
         "losses": [r["loss"] for r in rows],
         "val_loss": last.get("val_loss"),
         "sample": text,
     }
+
+
+def _outputs_line(run: Run) -> str:
+    """What this run wrote to OUT, and which plots it could not draw and why."""
+    plotted = run.plots_note == ""
+    files = ["metrics.jsonl", *(["loss.png", "memory.png"] if plotted else []), "config.toml"]
+    if run.ckpt is not None:
+        files.append("checkpoints/")
+    if run.cfg.model.hf:
+        files.append("hf/ (from_pretrained)")
+    line = f"wrote {run.out}/{', '.join(files)}"
+    if not plotted:
+        line += f"; no loss.png, memory.png: {run.plots_note or 'not drawn'}"
+    return line
 
 
 def run_worker(cfg: TrainConfig, env: Env, resume: bool) -> dict[str, Any] | None:

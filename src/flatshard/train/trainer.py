@@ -56,6 +56,7 @@ class Run:
     elapsed_s: float = 0.0
     skipped_steps: int = 0  # steps whose update was skipped (optim.nonfinite = "skip")
     last: dict[str, Any] = field(default_factory=dict)
+    plots_note: str | None = None  # the last plot attempt: None none yet, "" written, else why not
 
     @property
     def out(self) -> Path:
@@ -173,6 +174,7 @@ def _val_due(run: Run, step: int) -> bool:
 
 
 def _plots(run: Run) -> None:
+    """Redraw loss.png and memory.png (rank 0); the outcome goes to ``run.plots_note``."""
     if run.log is None:
         return
     kind = "max allocated, GPU" if run.env.device.type == "cuda" else "peak RSS, CPU"
@@ -182,8 +184,9 @@ def _plots(run: Run) -> None:
         title=f"{run.cfg.model.preset} GPT, {run.env.world} ranks",
         memory_kind=kind,
     )
-    if note:
-        run.say(note)
+    if note and note != run.plots_note:  # once per reason, not at every log.plot_every
+        run.say(f"plots not written (loss.png, memory.png): {note}")
+    run.plots_note = note
 
 
 def train_loop(run: Run, save: Any) -> None:

@@ -3,7 +3,8 @@
 Importing this module registers ``strategy="flatshard"`` with both ``lightning.Trainer`` and
 ``lightning.Fabric``. The strategy classes are ``FlatshardStrategy`` (Trainer) and
 ``flatshard.integrations.lightning.fabric.FlatshardStrategy`` (Fabric), as Lightning has one
-``FSDPStrategy`` per flavour. See docs/integrations/lightning.md.
+``FSDPStrategy`` per flavour (one class cannot serve both: [Note: one class per flavour] in
+``base.py``). See docs/integrations/lightning.md.
 """
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY as _FABRIC_REGISTRY

@@ -3,7 +3,19 @@ the constructor (flatshard's options; Lightning's own keywords passed on), devic
 the launcher, the process group, the small collectives, and placing a module before sharding.
 
 Each flavour mixes this in front of its own ``ParallelStrategy`` and names, as class
-attributes, its launcher class and the constructor keywords its base takes.
+attributes, its launcher class, the constructor keywords its base takes, and which flavour it
+is for.
+
+[Note: one class per flavour]
+One class for both flavours is not sound: it would have to derive from both Lightning
+``Strategy`` bases, which share method names with different signatures and meanings
+(``backward(closure_loss, optimizer)`` vs ``backward(tensor, module)``,
+``save_checkpoint(checkpoint, filepath)`` vs ``save_checkpoint(path, state)``,
+``load_checkpoint``, ``optimizer_step``, ``tensor_init_context``), so one MRO would call the
+other flavour's method with the wrong arguments. Lightning has one ``FSDPStrategy`` per flavour
+for the same reason. Passing one flavour's instance to the other is refused by Lightning's own
+check, whose message shows the strategy's ``repr``: :meth:`FlatshardStrategyBase.__repr__`
+names the class to use instead, so that message carries the fix.
 """
 
 from __future__ import annotations
@@ -30,6 +42,8 @@ class FlatshardStrategyBase:
 
     launcher_cls: ClassVar[type]
     lightning_keywords: ClassVar[tuple[str, ...]]
+    flavour: ClassVar[str]  # "lightning.Trainer" or "lightning.Fabric"
+    other_flavour: ClassVar[tuple[str, str]]  # (the other flavour, its strategy class)
     options: StrategyOptions
 
     def __init__(
@@ -48,6 +62,15 @@ class FlatshardStrategyBase:
             policy, strategy, mixed_precision, state_dict_type, process_group_backend, timeout,
             kwargs,
         )  # fmt: skip
+
+    def __repr__(self) -> str:
+        # Lightning's "invalid strategy" error quotes this: it must name the right class
+        other, other_class = self.other_flavour
+        cls = type(self)
+        return (
+            f"<{cls.__module__}.{cls.__qualname__} for {self.flavour}; for {other} use "
+            f"{other_class}(...) or strategy='flatshard'>"
+        )
 
     # ---- where and how many ----------------------------------------------------------------
     @property

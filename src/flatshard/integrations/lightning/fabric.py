@@ -46,6 +46,8 @@ class FlatshardStrategy(FlatshardStrategyBase, ParallelStrategy):
             ``precision``), else any other ``fs.shard`` argument (``offload``, ...).
     """
 
+    flavour = "lightning.Fabric"
+    other_flavour = ("lightning.Trainer", "flatshard.integrations.lightning.FlatshardStrategy")
     launcher_cls = _SubprocessScriptLauncher
     lightning_keywords = ("accelerator", "parallel_devices", "cluster_environment", "precision")
 

@@ -47,6 +47,11 @@ class FlatshardStrategy(FlatshardStrategyBase, ParallelStrategy):
     """
 
     strategy_name = "flatshard"
+    flavour = "lightning.Trainer"
+    other_flavour = (
+        "lightning.Fabric",
+        "flatshard.integrations.lightning.fabric.FlatshardStrategy",
+    )
     launcher_cls = _SubprocessScriptLauncher
     lightning_keywords = (
         "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io",
