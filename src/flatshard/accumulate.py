@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 from torch import nn
 
-from .api import get_state
+from .engine.state import get_state
 
 KEEP_MODES = ("unsharded", "sharded")
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .api import get_state
+from .engine.state import get_state
 from .wrap import Policy
 
 MARK = "_flatshard_checkpointed"

@@ -27,7 +27,7 @@ from .engine.meta_init import (
     model_init_fn,
 )
 from .engine.root_split import tail_parameters
-from .engine.state import ShardedState
+from .engine.state import STATE_ATTR, ShardedState, get_state  # noqa: F401 (re-exported)
 from .engine.unit import Unit
 from .offload import CPUOffload
 from .optim.guard import guard_optimizers
@@ -37,7 +37,6 @@ from .prefetch import Prefetch
 from .switches import Switches
 from .wrap import Policy, WrapPlan, auto, build_plan, root_only
 
-STATE_ATTR = "_flatshard_state"
 DEFAULT_TIMEOUT_S = 600.0
 
 
@@ -102,7 +101,7 @@ def shard(
     topology = resolve_topology(options.strategy.value, mesh)
     plan = _plan(model, policy)
     switches = Switches.from_environ()
-    check_ranks_agree([*switches.describe(), *_describe(model, plan, options)], dist.group.WORLD)
+    check_ranks_agree([*switches.describe(), *_describe(model, plan, options)], topology.mesh_group)
     stats = CommStats(checker=OpChecker() if switches.debug else None, p2p=switches.gloo_p2p)
     units = _build_units(model, plan, topology, stats, options)
     state = ShardedState(
@@ -127,17 +126,6 @@ def shard(
         hooks.register_precision_casts(model, mixed_precision)
     setattr(model, STATE_ATTR, state)
     return model
-
-
-def get_state(model: nn.Module) -> ShardedState:
-    """The ``ShardedState`` of a sharded model; ``ValueError`` if ``fs.shard`` was not called."""
-    state = getattr(model, STATE_ATTR, None)
-    if state is None:
-        raise ValueError(
-            f"{type(model).__name__} is not sharded: call fs.shard(model) first and pass the "
-            "module it returns"
-        )
-    return state
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .api import get_state
 from .comm.collectives import all_reduce
+from .engine.state import get_state
 from .params import state_of_parameters
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -60,6 +60,7 @@ class _Record:
     stage: _Stage = _Stage.READY
     found_inf: torch.Tensor | None = None  # local flag (> 0: this rank saw inf/NaN)
     synced: bool | None = None  # the all-reduced decision, once taken
+    groups: list[dist.ProcessGroup] = field(default_factory=list)  # what the flag is reduced over
 
 
 def _rank() -> int:
@@ -79,10 +80,11 @@ class GradScaler:
         enabled: ``False`` turns every method into a pass-through (``step`` just steps).
         group: what the found-inf flag is all-reduced over: a ``ProcessGroup``, a
             ``DeviceMesh`` (all its dimensions), or a sequence of groups (reduced one after
-            the other, which covers their union). Default: the whole default group when
-            ``torch.distributed`` is initialised — the data-parallel mesh spans every rank for
-            every strategy (full_shard, shard_grad_op, no_shard, hybrid_shard); no
-            collective when it is not initialised.
+            the other, which covers their union). Default: the mesh of every sharded model
+            whose fragments the optimizer steps (each rank of it, whatever the strategy), so
+            a model that is one stage of a pipeline never waits on the other stages; the
+            default group for an optimizer of plain parameters; no collective when
+            ``torch.distributed`` is not initialised.
     """
 
     def __init__(
@@ -152,6 +154,7 @@ class GradScaler:
         if record.stage is _Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step(); call update() first")
         record.found_inf = self._unscale_grads(optimizer)
+        record.groups = self._groups(optimizer)
         record.stage = _Stage.UNSCALED
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -249,14 +252,17 @@ class GradScaler:
         if record.synced is None:
             assert record.found_inf is not None
             flag = record.found_inf
-            for group in self._groups():
+            for group in record.groups:
                 all_reduce(flag, group, self.stats, op=dist.ReduceOp.MAX, name="found_inf")
             record.synced = bool(flag.item() > 0)
         return record.synced
 
-    def _groups(self) -> list[dist.ProcessGroup]:
+    def _groups(self, optimizer: torch.optim.Optimizer) -> list[dist.ProcessGroup]:
         """The groups to reduce over, resolved late (the scaler may exist before init)."""
-        groups = _resolve_groups(self._group_arg)
+        if self._group_arg is None:
+            groups = _mesh_groups(optimizer) or _resolve_groups(None)
+        else:
+            groups = _resolve_groups(self._group_arg)
         return [g for g in groups if dist.get_world_size(g) > 1]
 
     def _apply_schedule(self, found_inf: bool) -> None:
@@ -304,6 +310,20 @@ def _validate(
     for name, value in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be an int >= 1")
+
+
+def _mesh_groups(optimizer: torch.optim.Optimizer) -> list[dist.ProcessGroup]:
+    """The mesh groups of the sharded models whose fragments ``optimizer`` steps."""
+    from .params import fragment_tag
+
+    groups: list[dist.ProcessGroup] = []
+    for param_group in optimizer.param_groups:
+        for p in param_group["params"]:
+            tag = fragment_tag(p)
+            state = tag.state() if tag is not None else None
+            if state is not None and all(g is not state.topology.mesh_group for g in groups):
+                groups.append(state.topology.mesh_group)
+    return groups
 
 
 def _resolve_groups(group: Any) -> list[dist.ProcessGroup]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .api import STATE_ATTR, get_state
+from .engine.state import STATE_ATTR, get_state
 from .engine.unit import ParamState
 
 

@@ -13,8 +13,8 @@ import functools
 
 from torch import nn
 
-from .api import get_state
 from .engine import hooks
+from .engine.state import get_state
 from .engine.unit import Unit
 
 

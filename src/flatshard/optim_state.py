@@ -2,7 +2,8 @@
 
 ``full_optimizer_state_dict`` returns what ``torch.distributed.checkpoint.state_dict.
 get_optimizer_state_dict(..., full_state_dict=True)`` gives for an unsharded model: on rank 0
-``{"state": {name: {key: full tensor}}, "param_groups": [{..., "params": [names]}]}``. A state
+``{"state": {name: {key: full tensor}}, "param_groups": [{..., "params": [names]}]}`` ("rank
+0" is the mesh's first rank: every collective here runs on the model's own mesh). A state
 tensor shaped like its fragment (``exp_avg``, ``momentum_buffer``) is gathered the way the
 parameters are: one all-gather per (flat group, key) into a buffer laid out like the gathered
 parameters. Any other state (AdamW's ``step``) is the same on every rank and taken as it is.
@@ -18,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .api import get_state
 from .comm.collectives import all_gather_into, broadcast
+from .engine.state import get_state
 
 __all__ = ["full_optimizer_state_dict", "load_full_optimizer_state_dict"]
 
@@ -68,7 +69,7 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
             for spec in group.specs:
                 view = full[spec.offset : spec.offset + spec.numel].view(spec.shape)
                 out.setdefault(names[id(spec.fragment)], {})[key] = view.to("cpu", copy=True)
-    if dist.get_rank() != 0:
+    if not get_state(model).topology.is_mesh_first:
         return {}
     for param, values in optimizer.state.items():
         name = names.get(id(param))
@@ -107,18 +108,18 @@ def load_full_optimizer_state_dict(
     into ``optimizer``'s fragments, and rank 0's hyperparameters into its param groups. Every
     rank must call it; the optimizer must have the saving one's param groups."""
     names = _names(model)
-    is_rank0 = dist.get_rank() == 0
+    mesh = get_state(model).topology
+    is_rank0 = mesh.is_mesh_first
     saved = osd.get("state", {}) if is_rank0 else {}
-    groups = [osd.get("param_groups")] if is_rank0 else [None]
-    dist.broadcast_object_list(groups, src=0)
-    _set_hyperparameters(optimizer, groups[0])
+    groups = _from_mesh_first(osd.get("param_groups") if is_rank0 else None, mesh.mesh_group)
+    _set_hyperparameters(optimizer, groups)
     for unit, group in _groups(model):
-        plan = [_plan(saved, group, names)] if is_rank0 else [None]
-        dist.broadcast_object_list(plan, src=0)
-        keys, others = plan[0]
+        keys, others = _from_mesh_first(
+            _plan(saved, group, names) if is_rank0 else None, mesh.mesh_group
+        )
         for key, dtype in keys:
             full = _full_buffer(saved, group, key, names, dtype, unit) if is_rank0 else None
-            full = _broadcast_full(full, group, dtype, unit)
+            full = _broadcast_full(full, group, dtype, unit, mesh.mesh_group)
             start = group.layout.shard_start
             for spec in group.specs:
                 if spec.fragment.requires_grad:
@@ -128,6 +129,15 @@ def load_full_optimizer_state_dict(
         for spec in group.specs:
             for key, value in others.get(names[id(spec.fragment)], {}).items():
                 optimizer.state.setdefault(spec.fragment, {})[key] = value
+
+
+def _from_mesh_first(value, mesh_group: dist.ProcessGroup):
+    """The mesh's first rank's ``value`` (a picklable object) on every rank of the mesh."""
+    if dist.get_world_size(mesh_group) == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(mesh_group, 0), group=mesh_group)
+    return box[0]
 
 
 def _plan(saved: dict, group, names: dict[int, str]) -> tuple[list, dict]:
@@ -154,14 +164,14 @@ def _full_buffer(saved, group, key, names, dtype, unit) -> torch.Tensor:
     return full
 
 
-def _broadcast_full(full, group, dtype, unit) -> torch.Tensor:
+def _broadcast_full(full, group, dtype, unit, mesh_group) -> torch.Tensor:
     world = dist.get_world_size(unit.process_group) if unit.process_group is not None else 1
     device = group.shard.device
     if full is None:
         full = torch.empty(world * group.shard_numel, dtype=dtype, device=device)
     else:
         full = full.to(device)
-    broadcast(full, 0, None, unit.stats)
+    broadcast(full, 0, mesh_group, unit.stats)  # no-op on a mesh of one
     return full
 
 

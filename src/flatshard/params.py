@@ -88,7 +88,7 @@ def full_shape(param: torch.Tensor) -> torch.Size:
 def fragment_info(model: nn.Module) -> dict[str, FragmentInfo]:
     """Name -> ``FragmentInfo`` for every parameter of a sharded model, in
     ``named_parameters()`` order. ``ValueError`` if ``model`` is not sharded."""
-    from .api import get_state
+    from .engine.state import get_state
 
     get_state(model)
     out = {}

@@ -1,8 +1,10 @@
 """Full (unsharded) state dicts and full parameters on demand.
 
 Both directions go unit by unit, so the device never holds more than one gathered unit beyond
-what training already holds; global rank 0 is the only rank that holds (or reads) the full CPU
-copy, so the model's mesh must include every rank of the default group.
+what training already holds. "Rank 0" here is the mesh's first rank (its lowest global rank,
+``Topology.is_mesh_first``): the only rank that holds (or reads) the full CPU copy. Every
+collective runs on the model's own mesh (see engine/mesh.py, "a model talks only to its own
+ranks"), so two models on disjoint meshes of one job never wait on each other.
 """
 
 from __future__ import annotations
@@ -15,20 +17,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .api import get_state
 from .comm.collectives import broadcast
 from .engine.masters import master_views
-from .engine.state import ShardedState
+from .engine.state import ShardedState, get_state
 from .engine.unit import Unit
 from .params import fragment_tag, full_shape, is_fragment
 
 
 @torch.no_grad()
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Rank 0: full CPU tensors keyed exactly like the unsharded model's ``state_dict()``
-    (tied names included). Other ranks: ``{}``. Every rank must call it (it gathers)."""
+    """The mesh's first rank: full CPU tensors keyed exactly like the unsharded model's
+    ``state_dict()`` (tied names included). Other ranks: ``{}``. Every rank of the model's
+    mesh must call it (it gathers)."""
     state = get_state(model)
-    is_rank0 = dist.get_rank() == 0
+    is_rank0 = state.topology.is_mesh_first
     refs = model.state_dict(keep_vars=True)
     keys_of_unit: dict[int, list[tuple[str, int, int]]] = {}
     for key, value in refs.items():
@@ -50,39 +52,46 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def load_full_state_dict(model: nn.Module, sd: dict, *, strict: bool = True) -> None:
-    """Load a full state dict held by rank 0 (other ranks may pass ``{}``) into the shards.
+    """Load a full state dict held by the mesh's first rank (other ranks may pass ``{}``) into
+    the shards.
 
-    Every rank must call it. Shapes and keys are checked on rank 0 and a mismatch raises the
-    same ``ValueError`` on every rank (nothing is half-loaded, nothing hangs).
+    Every rank of the model's mesh must call it. Shapes and keys are checked on the source
+    and a mismatch raises the same ``ValueError`` on every rank (nothing is half-loaded,
+    nothing hangs).
     """
     state = get_state(model)
     state.reshard_all()
-    rank = dist.get_rank()
+    is_source = state.topology.is_mesh_first
     refs = model.state_dict(keep_vars=True)
     shapes = {k: full_shape(v) for k, v in refs.items() if torch.is_tensor(v)}
-    _agree_or_raise(_check_full_sd(sd, shapes, strict) if rank == 0 else None, state)
+    _agree_or_raise(_check_full_sd(sd, shapes, strict) if is_source else None, state)
     first_key: dict[int, str] = {}  # tied parameters: the first of their names is the source
     for key, value in refs.items():
         if is_fragment(value):
             first_key.setdefault(id(value), key)
     for unit in state.units:
         for group in unit.groups:
-            _load_group(group, sd, first_key, rank, state)
+            _load_group(group, sd, first_key, is_source, state)
     for key, value in refs.items():
         if torch.is_tensor(value) and not is_fragment(value):
-            source = sd[key].to(value.device, value.dtype) if rank == 0 else value.detach()
+            source = sd[key].to(value.device, value.dtype) if is_source else value.detach()
             buf = source.contiguous().clone()
-            broadcast(buf, 0, dist.group.WORLD, state.stats)
+            _from_mesh_first(buf, state)
             value.copy_(buf)
 
 
-def _load_group(group, sd: dict, first_key: dict, rank: int, state: ShardedState) -> None:
+def _from_mesh_first(tensor: torch.Tensor, state: ShardedState) -> None:
+    """The mesh's first rank's ``tensor`` on every rank of the model's mesh."""
+    broadcast(tensor, 0, state.topology.mesh_group, state.stats)  # no-op on a mesh of one
+
+
+def _load_group(group, sd: dict, first_key: dict, is_source: bool, state: ShardedState) -> None:
     full = torch.zeros(group.padded_numel, dtype=group.dtype, device=group.device)
-    if rank == 0:
+    if is_source:
         for spec in group.specs:
             src = sd[first_key[id(spec.fragment)]]
             full[spec.offset : spec.offset + spec.numel].copy_(src.reshape(-1))
-    broadcast(full, 0, dist.group.WORLD, state.stats)
+    _from_mesh_first(full, state)
     lo = group.rank * group.shard_numel
     group.shard.copy_(full[lo : lo + group.shard_numel])
 
@@ -109,8 +118,9 @@ def _check_full_sd(sd: dict, shapes: dict, strict: bool) -> str | None:
 
 def _agree_or_raise(error: str | None, state: ShardedState) -> None:
     box = [error]
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
+    group = state.topology.mesh_group
+    if state.topology.mesh_size > 1:
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     if box[0] is not None:
         raise ValueError(f"[flatshard rank {dist.get_rank()}] {box[0]}")
 
@@ -124,7 +134,7 @@ def summon_full_params(
     inside, forward runs on the full parameters without any collective (so one rank alone may
     run it, e.g. to generate), and no gradient reaches the shards.
 
-    ``rank0_only``: only global rank 0 holds the full parameters (the others gather unit by
+    ``rank0_only``: only the mesh's first rank holds the full parameters (the others gather unit by
     unit and let go, keeping their fragments); on exit rank 0's edits are broadcast back.
     Both flags are keyword-only (positional ones still work, with a ``DeprecationWarning``).
     """
@@ -141,7 +151,7 @@ def summon_full_params(
     state = get_state(model)
     if state.summoned:
         raise ValueError("summon_full_params is already active for this model; do not nest it")
-    holds_full = not rank0_only or dist.get_rank() == 0
+    holds_full = not rank0_only or state.topology.is_mesh_first
     with torch.no_grad():
         for unit in state.units:
             state.ensure_gathered(unit)
@@ -167,8 +177,8 @@ def _write_back(unit: Unit, state: ShardedState, *, from_rank0: bool) -> None:
     for g in unit.groups:
         full = g.full.data
         if from_rank0:
-            if dist.get_rank() != 0:
+            if not state.topology.is_mesh_first:
                 full = torch.empty(g.padded_numel, dtype=g.dtype, device=g.device)
-            broadcast(full, 0, dist.group.WORLD, state.stats)
+            _from_mesh_first(full, state)
         lo = g.rank * g.shard_numel
         g.shard.copy_(full[lo : lo + g.shard_numel])

@@ -1,8 +1,10 @@
 """Small object collectives so that a failure on one rank is raised on every rank (no hang).
 
-Checkpoints involve every rank of the default group, as ``fs.full_state_dict`` does: with
+Checkpoints involve every rank of the model's mesh, as ``fs.full_state_dict`` does: with
 replication (``hybrid_shard``, ``no_shard``) the shard group alone does not reach the replicas,
-and DCP needs every writer in one plan. So the model's mesh must span the default group.
+and DCP needs every writer in one plan. So they run over ``Topology.mesh_group`` (every rank of
+the mesh, see engine/mesh.py), never over the default group: a model that is one stage of a
+pipeline, or one of two models of a job, saves and loads without the other ranks.
 """
 
 from __future__ import annotations
@@ -10,11 +12,14 @@ from __future__ import annotations
 import pickle
 
 import torch.distributed as dist
+from torch import nn
 
 
-def world() -> dist.ProcessGroup:
-    """The group checkpoints run over: the default group (see the module docstring)."""
-    return dist.group.WORLD
+def model_group(model: nn.Module) -> dist.ProcessGroup:
+    """The group ``model``'s checkpoints run over: every rank of its mesh (module docstring)."""
+    from ..engine.state import get_state
+
+    return get_state(model).topology.mesh_group
 
 
 def first_error(error: str | None, group: dist.ProcessGroup | None) -> str | None:

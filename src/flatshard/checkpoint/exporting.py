@@ -14,11 +14,10 @@ import os
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from ..api import get_state
 from ..engine.masters import master_views
+from ..engine.state import get_state
 from ..params import fragment_tag
 from . import agree
 from .layout import ModelLayout, dtype_from_name, model_layout
@@ -62,7 +61,7 @@ def _export_model(model: nn.Module, out: Path) -> Path | None:
     order = [k for unit in state.units for k in unit_keys.get(unit.index, [])]
     order += list(layout.buffers)
     writer, error = None, None
-    if dist.get_rank() == 0:  # global rank 0 writes, as full_state_dict gathers there
+    if state.topology.is_mesh_first:  # the mesh's first rank writes, as full_state_dict
         try:
             writer = StreamingSafetensorsWriter(
                 out, [header_entry(layout, k) for k in order], EXPORT_METADATA
@@ -77,7 +76,7 @@ def _export_model(model: nn.Module, out: Path) -> Path | None:
         error = error or _finish(writer, layout)
     if error is not None and writer is not None:
         writer.abort()
-    agree.raise_if(agree.from_rank0(error, agree.world()), OSError)
+    agree.raise_if(agree.from_rank0(error, agree.model_group(model)), OSError)
     return out if writer is not None else None
 
 

@@ -149,7 +149,7 @@ def apply_optimizer_state(
 
 def load_foreign(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
     """Load a foreign DCP checkpoint into the sharded ``model`` (and ``optimizer``)."""
-    group = agree.world()
+    group = agree.model_group(model)
     layout = model_layout(model)
     plan, error = None, None
     try:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..api import get_state
+from ..engine.state import get_state
 from ..state_dict import load_full_state_dict
 from . import agree
 from .layout import model_layout
@@ -120,7 +120,7 @@ def load_full_state_dict_from_file(
     if model is None or path is None:
         raise TypeError("load_full_state_dict_from_file(path, model=...) needs both")
     get_state(model)  # a clear error if the model is not sharded
-    group = agree.world()  # load_full_state_dict's source is global rank 0
+    group = agree.model_group(model)  # load_full_state_dict's source: the mesh's first rank
     tensors, error = None, None
     if dist.get_rank(group) == 0:
         tensors, error = _open(Path(path), model)

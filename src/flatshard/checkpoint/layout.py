@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..api import get_state
+from ..engine.state import get_state
 from ..params import fragment_tag
 from . import jsonable
 from .planner import Item, Pickled, Sharded

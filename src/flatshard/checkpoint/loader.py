@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..api import get_state
+from ..engine.state import get_state
 from . import agree, commit, jsonable, restore, safety
 from .layout import ModelLayout, model_layout
 from .planner import FlatLoadPlanner, VerifiedReader
@@ -151,7 +151,7 @@ def load(
         extra = foreign.load_foreign(Path(path), model, optimizer)
         state.reshard_all()
         return extra
-    group = agree.world()
+    group = agree.model_group(model)
     layout = model_layout(model)
     share = (dist.get_rank(group), dist.get_world_size(group))
     opened, error = None, None

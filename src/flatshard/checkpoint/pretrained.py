@@ -17,11 +17,10 @@ import os
 import re
 from pathlib import Path
 
-import torch.distributed as dist
 from torch import nn
 
-from ..api import get_state
 from ..engine.masters import master_views
+from ..engine.state import get_state
 from . import agree
 from .exporting import header_entry, unit_keys_of
 from .layout import model_layout
@@ -97,7 +96,7 @@ def save_pretrained(
     model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str = "5GB"
 ) -> Path | None:
     """Write ``model`` (a sharded transformers model) so that ``from_pretrained(path)`` loads
-    it. Every rank must call it; global rank 0 writes and gets the path, others ``None``."""
+    it. Every rank must call it; the mesh's first rank writes and gets the path, others ``None``."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "save_pretrained"):
         raise TypeError(
@@ -111,7 +110,7 @@ def save_pretrained(
     keys = {u: [k for k in ks if k not in tied] for u, ks in unit_keys_of(model, layout).items()}
     order = [k for unit in state.units for k in keys.get(unit.index, [])] + list(layout.buffers)
     out, writer, error = Path(path), None, None
-    if dist.get_rank() == 0:
+    if state.topology.is_mesh_first:  # the mesh's first rank writes
         try:
             out.mkdir(parents=True, exist_ok=True)
             writer = _ShardedWriter(out, _files([header_entry(layout, k) for k in order], limit))
@@ -123,7 +122,7 @@ def save_pretrained(
         error = _finish(writer, layout.buffers, out)
     if error is not None and writer is not None:
         writer.abort()
-    agree.raise_if(agree.from_rank0(error, agree.world()), OSError)
+    agree.raise_if(agree.from_rank0(error, agree.model_group(model)), OSError)
     return out if writer is not None else None
 
 

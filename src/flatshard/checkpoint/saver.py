@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..api import get_state
+from ..engine.state import get_state
 from . import agree, commit, jsonable
 from .digest_writer import DigestWriter
 from .layout import describe_model, model_items, model_layout, optimizer_entries
@@ -109,11 +109,11 @@ def save(
     session = session_of(model)
     session.wait_pending()
     path = Path(path)
+    group = agree.model_group(model)
     try:
-        items, description, error = *_describe(model, optimizer, extra), None
+        items, description, error = *_describe(model, optimizer, extra, group), None
     except (ValueError, TypeError) as err:
         items, description, error = {}, {}, err
-    group = agree.world()
     _check_ranks_agree(items, description, error, group)
     tmp = _make_tmp_dir(path, group)
     future: Future = Future()
@@ -123,12 +123,21 @@ def save(
         handle.wait()
         return handle
     if session.async_group is None:
-        session.async_group = dist.new_group(backend="gloo", timeout=state.timeout)
+        session.async_group = _async_group(group, state.timeout)
     snapshot = {key: _to_cpu_copy(item) for key, item in items.items()}
     args = (future, snapshot, description, tmp, path, session.async_group, before_commit)
     threading.Thread(target=_run, args=args, name="flatshard-save", daemon=False).start()
     session.pending = handle
     return handle
+
+
+def _async_group(group: dist.ProcessGroup, timeout) -> dist.ProcessGroup:
+    """A Gloo group over the same ranks for a save that runs in a thread beside training (its
+    collectives must not interleave with the training ones). Only the mesh's ranks make it."""
+    if group is dist.group.WORLD:
+        return dist.new_group(backend="gloo", timeout=timeout)
+    ranks = dist.get_process_group_ranks(group)
+    return dist.new_group(ranks, backend="gloo", timeout=timeout, use_local_synchronization=True)
 
 
 def _make_tmp_dir(path: Path, group) -> Path:
@@ -153,7 +162,10 @@ def _to_cpu_copy(item: Item) -> Item:
 
 
 def _describe(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict | None
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    extra: dict | None,
+    group: dist.ProcessGroup,
 ) -> tuple[dict[str, Item], dict]:
     """This rank's DCP items and the JSON description of the checkpoint."""
     layout = model_layout(model)
@@ -164,7 +176,7 @@ def _describe(
     if optimizer is not None:
         optim_items, description["optimizer"] = optimizer_entries(optimizer, layout)
         items.update(optim_items)
-    description["world_size"] = dist.get_world_size()
+    description["world_size"] = dist.get_world_size(group)  # the ranks of the model's mesh
     description["extra"] = jsonable.encode(extra if extra is not None else {})
     return items, description
 

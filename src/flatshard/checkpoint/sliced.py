@@ -133,7 +133,7 @@ def load_sliced(path: Path, model: nn.Module) -> dict:
             _check(layout, files, sources, opened)
         except (OSError, ValueError, KeyError) as err:
             error = f"cannot load {path}: {err}"
-        agree.raise_if(agree.first_error(error, agree.world()))
+        agree.raise_if(agree.first_error(error, agree.model_group(model)))
         for name, p in layout.params.items():
             if p.fragment.numel():
                 start = fragment_tag(p.fragment).flat_range[0]
@@ -142,5 +142,5 @@ def load_sliced(path: Path, model: nn.Module) -> dict:
             if name in sources:
                 opened.read(files[name], name, 0, buf)
     if dist.is_initialized():
-        dist.barrier(agree.world())  # nobody trains on half-loaded weights
+        dist.barrier(agree.model_group(model))  # nobody trains on half-loaded weights
     return {}

@@ -5,6 +5,16 @@
     hybrid_shard                 2-D mesh (replicate, shard): shard within a row, replicate across
 
 A group of size one is represented by ``None``: no collective is ever issued on it.
+
+[Note: a model talks only to its own ranks]
+Every collective of a sharded model -- gathers, reductions, agreement checks, state-dict
+broadcasts, checkpoint plans -- runs on a group of the mesh it was sharded over, never on the
+default (world) group: the day the model is one stage of a pipeline or one of several models of
+a job, the other ranks are busy elsewhere and a world collective hangs. ``Topology.mesh_group``
+spans every rank of the mesh (the shard group, the replicate group, or for a 2-D mesh a group
+over both); "rank 0" of the model-level helpers (``fs.full_state_dict``'s holder,
+``fs.load_full_state_dict``'s source) is the mesh's first rank: rank 0 of ``mesh_group``, the
+lowest global rank of the mesh.
 """
 
 from __future__ import annotations
@@ -22,6 +32,18 @@ class Topology:
     shard_rank: int
     shard_world: int
     device: torch.device
+    # Every rank of the mesh, even when that is this rank alone (a real group, never None:
+    # DCP given no group would fall back to the default group).
+    mesh_group: dist.ProcessGroup
+
+    @property
+    def is_mesh_first(self) -> bool:
+        """Is this process the mesh's first rank (its lowest global rank)?"""
+        return dist.get_rank(self.mesh_group) == 0
+
+    @property
+    def mesh_size(self) -> int:
+        return dist.get_world_size(self.mesh_group)
 
     @property
     def groups(self) -> list[dist.ProcessGroup]:
@@ -40,9 +62,12 @@ def require_initialized() -> None:
 def resolve_topology(strategy: str, mesh) -> Topology:
     if strategy == "hybrid_shard":
         replicate, shard = _two_groups(mesh)
+        whole = _whole_mesh_group(mesh)
     else:
         group = _one_group(mesh, strategy)
         replicate, shard = (group, None) if strategy == "no_shard" else (None, group)
+        whole = group
+    device = compute_device(whole)  # asked before size-one groups become None
     shard = shard if shard is not None and dist.get_world_size(shard) > 1 else None
     replicate = replicate if replicate is not None and dist.get_world_size(replicate) > 1 else None
     return Topology(
@@ -50,8 +75,31 @@ def resolve_topology(strategy: str, mesh) -> Topology:
         replicate_group=replicate,
         shard_rank=dist.get_rank(shard) if shard is not None else 0,
         shard_world=dist.get_world_size(shard) if shard is not None else 1,
-        device=compute_device(dist.group.WORLD),
+        device=device,
+        mesh_group=whole,
     )
+
+
+def _whole_mesh_group(mesh) -> dist.ProcessGroup:
+    """One group over every rank of a 2-D mesh: the default group when the mesh spans it,
+    otherwise a group of the mesh's ranks (made once per rank set and kept; only the mesh's
+    ranks take part in making it, so a mesh that is one slice of a bigger job never waits on
+    the others)."""
+    ranks = tuple(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
+    if len(ranks) == dist.get_world_size():
+        return dist.group.WORLD
+    key = (id(dist.group.WORLD), ranks)
+    if key not in _MESH_GROUPS:
+        backend = dist.get_backend(mesh.get_group(0))
+        _MESH_GROUPS[key] = dist.new_group(
+            list(ranks), backend=backend, use_local_synchronization=True
+        )
+    return _MESH_GROUPS[key]
+
+
+# Groups over the ranks of 2-D meshes, kept so that sharding many models over one mesh makes
+# one group (keyed by the default group too: a new init_process_group starts afresh).
+_MESH_GROUPS: dict[tuple[int, tuple[int, ...]], dist.ProcessGroup] = {}
 
 
 def _one_group(mesh, strategy: str) -> dist.ProcessGroup:

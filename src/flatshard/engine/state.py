@@ -136,7 +136,7 @@ class ShardedState:
         if not buckets:
             return
         lines = [f"bucket {' '.join(str(u.index) for u in b)}" for b in buckets]
-        check_ranks_agree(lines, dist.group.WORLD)
+        check_ranks_agree(lines, self.topology.mesh_group)
         self.storage_cache = StorageCache(self.buffers_kept, self.coalesce.bucket_bytes)
         self.buckets = [
             Bucket(
@@ -259,3 +259,17 @@ class ShardedState:
         for group in self.topology.groups:  # shard then replicate: together every rank
             all_reduce(flags, group, self.stats, op=dist.ReduceOp.MAX, name="usage_all_reduce")
         return list(flags.cpu().split([len(m) for m in masks]))
+
+
+STATE_ATTR = "_flatshard_state"  # where fs.shard keeps a model's ShardedState
+
+
+def get_state(model: torch.nn.Module) -> ShardedState:
+    """The ``ShardedState`` of a sharded model; ``ValueError`` if ``fs.shard`` was not called."""
+    state = getattr(model, STATE_ATTR, None)
+    if state is None:
+        raise ValueError(
+            f"{type(model).__name__} is not sharded: call fs.shard(model) first and pass the "
+            "module it returns"
+        )
+    return state

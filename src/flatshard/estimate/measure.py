@@ -27,8 +27,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..api import get_state
 from ..comm.shutdown import end_process_group
+from ..engine.state import get_state
 
 __all__ = ["LiveBytes", "build", "measure_step", "spawn_measure"]
 
