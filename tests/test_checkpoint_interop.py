@@ -164,7 +164,7 @@ def test_both_layouts_load_into_flatshard_at_another_world_and_plan(dist_pools, 
 
 
 def test_the_version_1_checkpoint_really_is_the_old_layout(saved):
-    from flatshard.checkpoint.loader import open_checkpoint
+    from flatshard.checkpoint.reading import open_checkpoint
 
     shapes = {}
     for version in (1, 2):

@@ -19,7 +19,7 @@ import torch
 import flatshard as fs
 import flatshard.checkpoint as ckpt
 from flatshard.checkpoint import safety
-from flatshard.checkpoint.loader import PICKLED
+from flatshard.checkpoint.reading import PICKLED
 from parity_models import Block, TinyGPT
 
 

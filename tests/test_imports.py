@@ -65,3 +65,18 @@ def test_every_public_name_loads_lazily():
     assert set(fs.__all__) == lazy, set(fs.__all__) ^ lazy
     for name in fs.__all__:
         assert getattr(fs, name) is not None, name
+
+
+def test_the_package_has_no_import_circle():
+    from import_graph import circles, import_edges, module_files
+
+    edges = import_edges(module_files())
+    assert sum(map(len, edges.values())) > 300, "the graph reader found too few imports"
+    assert circles(edges) == [], "import circles (one module must stop importing the other)"
+
+
+def test_the_circle_finder_finds_a_circle():
+    from import_graph import circles
+
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert circles(edges) == [["a", "b", "c"]]

@@ -21,8 +21,8 @@ from ..engine.state import get_state
 from ..params import fragment_tag
 from . import agree
 from .layout import ModelLayout, dtype_from_name, model_layout
-from .loader import Opened, open_checkpoint, read_tensors, verify_files
 from .planner import Item
+from .reading import Opened, open_checkpoint, read_tensors, verify_files
 from .safetensors_io import StreamingSafetensorsWriter
 
 DEFAULT_BATCH_BYTES = 256 << 20

@@ -29,8 +29,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from . import agree, commit, safety
 from .layout import ModelLayout, model_layout, optimizer_params
-from .loader import Opened, read_tensors
 from .planner import Item, Sharded
+from .reading import Opened, read_tensors
 
 DCP_METADATA = ".metadata"
 ACCELERATE_MODEL, ACCELERATE_OPTIM = "pytorch_model_fsdp_0", "optimizer_0"

@@ -178,7 +178,7 @@ def export_pretrained(
     ``config``: the model's ``config.json`` or a directory holding it (and possibly
     ``generation_config.json``), e.g. the model's original ``save_pretrained`` directory."""
     from .exporting import in_batches, read_full, saved_entry
-    from .loader import open_checkpoint, verify_files
+    from .reading import open_checkpoint, verify_files
 
     opened = open_checkpoint(ckpt)
     if problem := verify_files(opened, opened.data_files):
