@@ -280,9 +280,9 @@ def test_prefetch_config_is_validated():
 
 def case_no_sync_from_pieces(keep: str, strategy: str) -> dict:
     """``case_no_sync`` with every eligible gradient reduced from its per-parameter pieces."""
-    from flatshard.engine import flat_group
+    from flatshard.engine import reduce
 
-    with patched_attr(flat_group, "PIECES_MIN_BYTES", 0):
+    with patched_attr(reduce, "PIECES_MIN_BYTES", 0):
         return case_no_sync(keep, strategy)
 
 

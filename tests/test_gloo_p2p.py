@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from flatshard.comm import gloo_p2p
 from flatshard.comm.collectives import CommStats, all_gather_into, reduce_scatter_sum
+from flatshard.engine.layout import chunk_spans
 
 TIMEOUT = datetime.timedelta(seconds=60)
 SIZES = (1, 5, 1024, 100_003)  # per-rank chunk sizes: odd, tiny, larger than a socket buffer
@@ -129,7 +130,7 @@ def case_pieces(dtype_name: str) -> float:
         offsets.append((position, n))
         position += n
     chunk = -(-(position + 2) // world)  # tail padding too
-    spans = gloo_p2p.chunk_spans(offsets, chunk, world)
+    spans = chunk_spans(offsets, chunk, world)
     worst = 0.0
     for trial in range(4):
         g = torch.Generator().manual_seed(100 * trial + rank)

@@ -143,6 +143,12 @@ def reduce_scatter_sum(
     return PendingWork(work, "reduce_scatter", (out, full))
 
 
+def sends_from_pieces(group: dist.ProcessGroup, stats: CommStats) -> bool:
+    """Can a reduce-scatter over ``group`` send a gradient from its per-parameter pieces
+    (:func:`reduce_scatter_pieces_sum`)? Only the Gloo point-to-point transport can."""
+    return gloo_p2p.p2p_enabled(group, stats.p2p)
+
+
 def reduce_scatter_pieces_sum(
     out: torch.Tensor,
     grads: tuple[torch.Tensor | None, ...],

@@ -116,22 +116,8 @@ def reduce_scatter_sum(out: torch.Tensor, full: torch.Tensor, group: dist.Proces
 
 
 # ---- reduce-scatter straight from per-parameter gradients ----------------------------------------
-Span = tuple[int, int, int, int]  # (offset in the chunk, length, parameter index, offset in it)
-
-
-def chunk_spans(offsets: list[tuple[int, int]], chunk_numel: int, world: int) -> list[list[Span]]:
-    """For each chunk of the flat layout, the parts of parameters (``offsets``: (flat offset,
-    numel) per parameter) that fall in it. Alignment gaps and tail padding belong to no span."""
-    spans: list[list[Span]] = []
-    for c in range(world):
-        lo, hi = c * chunk_numel, (c + 1) * chunk_numel
-        mine = []
-        for index, (offset, numel) in enumerate(offsets):
-            start, end = max(offset, lo), min(offset + numel, hi)
-            if end > start:
-                mine.append((start - lo, end - start, index, start - offset))
-        spans.append(mine)
-    return spans
+# (offset in the chunk, length, parameter index, offset in it): engine/layout.py chunk_spans
+Span = tuple[int, int, int, int]
 
 
 def reduce_scatter_pieces(

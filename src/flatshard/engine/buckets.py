@@ -37,13 +37,14 @@ from __future__ import annotations
 import torch
 
 from ..coalesce import Coalesce
-from ..comm.collectives import CommStats, PendingWork, all_gather_into, reduce_scatter_sum
-from ..precision import sum_scaling
+from ..comm.collectives import CommStats
 from .bucket_storage import SharedStorage, StorageCache
-from .flat_group import FlatGroup, data_parallel_world, divided, then_replicas
+from .flat_group import FlatGroup
+from .gather import start_gather
 from .gather_pool import GatheredBytes, GatherPool
 from .mesh import Topology
-from .unit import ParamState, PendingReduce, Unit
+from .reduce import PendingReduce, reduce_chunked, write_chunked
+from .unit import ParamState, Unit
 
 GradEntry = tuple[FlatGroup, "torch.Tensor | tuple", torch.Tensor]  # (group, gradient, used)
 
@@ -89,34 +90,13 @@ class Bucket:
             members[0].start_gather()
             return
         groups = [g for u in members for g in u.groups]
-        works = [self._gather(gs) for gs in _by(groups, "compute_dtype")]
+        scratch = (self._scratch, self._release)
+        works = [
+            start_gather(gs, self.topology, self.stats, self.label, scratch)
+            for gs in _by(groups, "compute_dtype")
+        ]
         for unit in members:
             unit.mark_gathering(works)
-
-    def _gather(self, groups: list[FlatGroup]) -> PendingWork:
-        world, process_group = self.topology.shard_world, self.topology.shard_group
-        for g in groups:
-            g.allocate_full()
-        # This rank's row of the staging buffer is written from the shards and sent from there
-        # (the rank's own chunk: no separate send buffer, one copy fewer).
-        total = sum(g.shard_numel for g in groups)
-        staging = self._scratch(world * total, groups[0].compute_dtype)
-        own, offset = staging.view(world, total)[self.topology.shard_rank], 0
-        for g in groups:
-            g.write_send_shard(own[offset : offset + g.shard_numel], self.stats)
-            offset += g.shard_numel
-        work = all_gather_into(staging, own, process_group, self.stats, self.label)
-
-        def copy_out(_timeout) -> None:
-            rows, offset = staging.view(world, -1), 0
-            for g in groups:
-                n = g.shard_numel
-                g.full.data.view(world, n).copy_(rows[:, offset : offset + n])
-                offset += n
-            self._release(staging)
-
-        work.add_then(copy_out)
-        return work
 
     def _scratch(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         device = self.topology.device
@@ -171,66 +151,9 @@ class Bucket:
         return [p for chunked, entries in grads.values() for p in self._reduce(chunked, entries)]
 
     def _reduce(self, chunked: torch.Tensor, entries: list) -> list[PendingReduce]:
-        topo = self.topology
-        pre, post = sum_scaling(chunked.dtype, data_parallel_world(topo))
-        out = torch.empty(chunked.shape[1], dtype=chunked.dtype, device=chunked.device)
-        flat = divided(chunked.view(-1), pre)
-        work = reduce_scatter_sum(out, flat, topo.shard_group, self.stats, self.label)
-        then_replicas(work, out, topo, self.stats, self.label)
-        work.add_then(lambda _: out.div_(post) if post != 1.0 else None)
+        pending, work = reduce_chunked(chunked, entries, self.topology, self.stats, self.label)
         work.add_then(lambda _: self._release(chunked))
-        return [
-            PendingReduce(g, out[offset : offset + g.shard_numel], used, work)
-            for g, offset, used in entries
-        ]
-
-
-def write_chunked(dest: torch.Tensor, group: FlatGroup, grad) -> None:
-    """Write ``group``'s gradient (its padded flat gradient, or the per-parameter gradients,
-    ``None`` for unused ones) into ``dest``, the ``[world, shard_numel]`` view of it: one
-    ``torch.cat`` into each row (the plan of which pieces go where is built once per group)."""
-    if isinstance(grad, torch.Tensor):
-        dest.copy_(grad.view(dest.shape))
-        return
-    plan = group.chunk_plan
-    if plan is None:
-        plan = group.chunk_plan = _chunk_plan(group, dest.dtype)
-    flats = [None if g is None else g.reshape(-1) for g in grad]
-    for row, pieces in enumerate(plan):
-        parts = [
-            gap if i is None else _piece(flats[i], a, n, dest) for i, a, n, gap in pieces
-        ]  # fmt: skip
-        torch.cat(parts, out=dest[row])
-
-
-def _piece(flat: torch.Tensor | None, start: int, n: int, like: torch.Tensor) -> torch.Tensor:
-    if flat is None:  # a parameter this backward did not use: zeros (rare)
-        return like.new_zeros(n)
-    return flat if start == 0 and n == flat.numel() else flat[start : start + n]
-
-
-def _chunk_plan(group: FlatGroup, dtype: torch.dtype) -> list[list[tuple]]:
-    """Per chunk (row) of the padded flat layout, the pieces that fill it in order: (parameter
-    index or None for a gap, start in the flattened parameter, length, zeros for a gap)."""
-    n, device = group.shard_numel, group.device
-    spans = [(i, s.offset, s.numel) for i, s in enumerate(group.specs)]
-    plan = []
-    for row in range(group.world):
-        lo, hi, position, pieces = row * n, (row + 1) * n, row * n, []
-        for i, offset, numel in spans:
-            start, end = max(offset, lo), min(offset + numel, hi)
-            if end <= start:
-                continue
-            if start > position:
-                gap = torch.zeros(start - position, dtype=dtype, device=device)
-                pieces.append((None, 0, gap.numel(), gap))
-            pieces.append((i, start - offset, end - start, None))
-            position = end
-        if hi > position:
-            gap = torch.zeros(hi - position, dtype=dtype, device=device)
-            pieces.append((None, 0, gap.numel(), gap))
-        plan.append(pieces)
-    return plan
+        return pending
 
 
 def _by(groups: list, attr: str) -> list[list]:

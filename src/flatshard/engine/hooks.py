@@ -265,7 +265,7 @@ def accumulate_grads(state: ShardedState, unit: Unit, grads: tuple, *, final: bo
     call (not a recomputation's), which may be the last before the unit reduces."""
     _queue_final_callback(state)
     reduce_now = final and _reduce_right_away(state, unit)
-    unit.accumulate(grads, reduce_now=reduce_now, topology=state.topology, p2p=state.stats.p2p)
+    unit.accumulate(grads, reduce_now=reduce_now)
 
 
 def on_unit_grads(state: ShardedState, unit: Unit, grads: tuple) -> None:

@@ -5,6 +5,9 @@ an ``align``-element boundary (16 bytes: GPU kernels pick slower paths for odd o
 gaps hold zeros), and the end is padded to a multiple of the shard-group size ``W`` (at least
 one element per rank). Rank ``r`` owns elements ``[r*S, (r+1)*S)`` with ``S = padded / W``.
 ``FlatGroup`` allocates its buffers from this; the estimator sizes units with ``padded_numel``.
+All chunk arithmetic lives here: which part of which parameter falls in rank ``r``'s chunk
+(``overlap``) serves this rank's places, the per-chunk spans of a reduction from
+per-parameter pieces and a bucket's chunked writes (``chunk_spans``).
 """
 
 from __future__ import annotations
@@ -37,6 +40,32 @@ def padded_numel(total: int, world: int) -> int:
     return max(world, math.ceil(total / world) * world)
 
 
+def overlap(offset: int, numel: int, lo: int, hi: int) -> tuple[int, int]:
+    """The part ``[start, end)`` of the flat range ``[offset, offset + numel)`` that lies in
+    ``[lo, hi)``; ``start == end`` when none does (then ``start`` may lie past ``hi``: an
+    empty fragment's place, kept as it always was since checkpoints record fragment ranges)."""
+    start = max(offset, lo)
+    return start, max(start, min(offset + numel, hi))
+
+
+Span = tuple[int, int, int, int]  # (offset in the chunk, length, parameter index, offset in it)
+
+
+def chunk_spans(offsets: list[tuple[int, int]], chunk_numel: int, world: int) -> list[list[Span]]:
+    """For each chunk of the flat layout, the parts of parameters (``offsets``: (flat offset,
+    numel) per parameter) that fall in it. Alignment gaps and tail padding belong to no span."""
+    spans: list[list[Span]] = []
+    for c in range(world):
+        lo, hi = c * chunk_numel, (c + 1) * chunk_numel
+        mine = []
+        for index, (offset, numel) in enumerate(offsets):
+            start, end = overlap(offset, numel, lo, hi)
+            if end > start:
+                mine.append((start - lo, end - start, index, start - offset))
+        spans.append(mine)
+    return spans
+
+
 @dataclass(frozen=True)
 class Place:
     """Where one parameter lives: in the padded buffer, and in this rank's shard."""
@@ -60,8 +89,7 @@ class FlatLayout:
         lo, hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
         self.places: list[Place] = []
         for shape, offset, n in zip(shapes, offsets, numels, strict=False):
-            start = max(offset, lo)
-            end = max(start, min(offset + n, hi))
+            start, end = overlap(offset, n, lo, hi)
             self.places.append(Place(torch.Size(shape), offset, n, start - lo, end - lo))
 
     @property

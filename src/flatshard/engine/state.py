@@ -29,7 +29,8 @@ from .bucket_storage import StorageCache
 from .buckets import Bucket, plan_buckets
 from .gather_pool import GatheredBytes, GatherPool
 from .mesh import Topology
-from .unit import ParamState, PendingReduce, Unit
+from .reduce import PendingReduce
+from .unit import ParamState, Unit
 
 
 @dataclass
@@ -212,7 +213,7 @@ class ShardedState:
         if unit.bucket is not None:
             self._in_flight(unit.bucket.add_grads(unit))
         else:
-            self._in_flight(unit.start_reduce(self.topology, self.stats))
+            self._in_flight(unit.start_reduce())
 
     def _in_flight(self, pending: list[PendingReduce]) -> None:
         if not pending:

@@ -23,7 +23,9 @@ from ..comm.collectives import CommStats, PendingWork
 from ..offload import CPUOffload
 from ..precision import MixedPrecision
 from .flat_group import FlatGroup
+from .gather import start_gather
 from .mesh import Topology
+from .reduce import PendingReduce, flat_grad_from, reduce_group, reduces_pieces, zeros_flat_grad
 
 
 class ParamState(enum.Enum):
@@ -48,26 +50,9 @@ class GradState:
 
     pending_nodes: int = 0  # autograd nodes created in forward whose backward has not run
     # Per group: the flat gradient, or the per-parameter gradients themselves when they are
-    # reduced without a flat copy (``FlatGroup.reduces_pieces``), or None before any.
+    # reduced without a flat copy (``reduce.reduces_pieces``), or None before any.
     flat_grads: list[torch.Tensor | tuple | None] = field(default_factory=list)
     used: list[list[bool]] = field(default_factory=list)  # per group: bool per parameter
-
-
-@dataclass
-class PendingReduce:
-    """One group's gradient reduction in flight: the mirror of a pending gather."""
-
-    group: FlatGroup
-    grad_shard: torch.Tensor  # this rank's part of the averaged gradient, once ``wait`` returns
-    used: torch.Tensor  # bool per parameter: used on this rank in this backward
-    work: PendingWork
-
-    def wait(self, timeout) -> None:
-        self.work.wait(timeout)
-
-    def assign(self, used_globally: torch.Tensor, stats: CommStats) -> None:
-        """Hand the fragments their gradients (after the ranks agreed on usage)."""
-        self.group.assign_grads(self.grad_shard, used_globally, stats)
 
 
 class Unit:
@@ -89,6 +74,7 @@ class Unit:
         self.index = index
         self.module = module
         self.process_group = topology.shard_group
+        self.topology = topology
         self.stats = stats
         self.reshard_after_forward = reshard_after_forward
         rank, world, device = topology.shard_rank, topology.shard_world, topology.device
@@ -158,7 +144,8 @@ class Unit:
         """Issue the async all-gathers of every group (no-op unless sharded)."""
         if self.state is not ParamState.SHARDED:
             return
-        self.mark_gathering([g.gather(self.process_group, self.stats) for g in self.groups])
+        topo, stats = self.topology, self.stats
+        self.mark_gathering([start_gather([g], topo, stats, g.label) for g in self.groups])
 
     def mark_gathering(self, works: list[PendingWork]) -> None:
         """The gathers of every group are in flight (``works``, maybe shared with a bucket)."""
@@ -189,7 +176,7 @@ class Unit:
         self.state = ParamState.SHARDED
 
     # ---- gradient accumulation and reduction ---------------------------------------------------
-    def accumulate(self, grads: tuple, *, reduce_now: bool, topology: Topology, p2p: bool) -> None:
+    def accumulate(self, grads: tuple, *, reduce_now: bool) -> None:
         """Add one autograd node's per-parameter gradients (``None``: unused by that call).
         ``reduce_now``: they are the last before this unit's reduction, so a group whose
         gradient can be sent from its pieces keeps them as they are (no flat copy)."""
@@ -202,24 +189,24 @@ class Unit:
                 continue
             previous = self.grad.flat_grads[gi]
             # A bucket writes the pieces straight into its chunked buffer (buckets.py).
-            pieces = reduce_now and (self.bucket is not None or group.reduces_pieces(topology, p2p))
+            pieces = reduce_now and (
+                self.bucket is not None or reduces_pieces(group, self.topology, self.stats)
+            )
             if previous is None and pieces:
                 self.grad.flat_grads[gi] = tuple(mine)  # reduced without a flat copy
             else:
-                flat = group.flat_grad_from(mine)
+                flat = flat_grad_from(group, mine)
                 self.grad.flat_grads[gi] = flat if previous is None else previous.add_(flat)
             used = self.grad.used[gi]
             for i, g in enumerate(mine):
                 used[i] = used[i] or g is not None
 
-    def start_reduce(self, topology: Topology, stats: CommStats) -> list[PendingReduce]:
-        """Start averaging each trainable group's gradient over the data-parallel ranks (zeros
-        for a group no call used: every rank must issue the same collectives)."""
-        pending = []
-        for group, flat, used in self.take_flat_grads():
-            grad_shard, work = group.start_reduce(flat, topology, stats)
-            pending.append(PendingReduce(group, grad_shard, used, work))
-        return pending
+    def start_reduce(self) -> list[PendingReduce]:
+        """Start averaging each trainable group's gradient over the data-parallel ranks, each
+        group a bucket of one (see reduce.py; zeros for a group no call used: every rank must
+        issue the same collectives)."""
+        topo, stats = self.topology, self.stats
+        return [reduce_group(*member, topo, stats) for member in self.take_flat_grads()]
 
     def take_flat_grads(self) -> list[tuple[FlatGroup, torch.Tensor | tuple, torch.Tensor]]:
         """(group, flat gradient, used mask) per trainable group, zeros for a group no call
@@ -228,7 +215,7 @@ class Unit:
         for gi in self.trainable_groups:
             group, flat = self.groups[gi], self.grad.flat_grads[gi]
             used = torch.tensor(self.grad.used[gi], dtype=torch.bool)
-            out.append((group, group.zeros_flat_grad() if flat is None else flat, used))
+            out.append((group, zeros_flat_grad(group) if flat is None else flat, used))
         self.reset_grad_state()
         return out
 

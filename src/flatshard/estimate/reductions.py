@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 
 from ..comm.gloo_p2p import MAX_P2P_WORLD
-from ..engine.flat_group import PIECES_MIN_BYTES
+from ..engine.reduce import PIECES_MIN_BYTES
 from .spec import Layout
 from .units import Unit, Units
 
@@ -53,7 +53,7 @@ class Reductions:
         return max((done for _, done in list(self.in_flight)[:extra]), default=0)
 
     def reduces_pieces(self, unit: Unit) -> bool:
-        """Reduced straight from the per-parameter gradients (``FlatGroup.reduces_pieces``):
+        """Reduced straight from the per-parameter gradients (``reduce.reduces_pieces``):
         Gloo's point-to-point path, a unit that is no bucket's member."""
         lay = self.layout
         p2p = lay.backend == "gloo" and 2 <= lay.shard_world <= MAX_P2P_WORLD

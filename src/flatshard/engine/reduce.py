@@ -1,0 +1,244 @@
+"""The gradient reduction, for one unit's group or a bucket of several: one path.
+
+[Note: one reduction path]
+Whatever coalesces them, flat groups' gradients travel one way (``reduce_chunked``):
+
+    flat gradient(s) --write--> chunked [world, total]    row r: every member's chunk r
+                     --divide (pre)--> reduce-scatter SUM over the shard group
+                     --then--> all-reduce SUM over the replicate group (hybrid_shard)
+                     --then--> divide (post)              pre * post = data-parallel world
+    this rank's row = each member's gradient shard, side by side  --assign--> fragment .grad
+
+A unit reduces each trainable group as a bucket of one member (``reduce_group``): its padded
+flat gradient *is* the chunked buffer (``[world, S]``, no copy). A bucket (buckets.py) writes
+its members' flat gradients column by column into a scratch buffer. Two single-group
+shortcuts change the collective's inputs, not its sums: ``no_shard`` (no shard group: the
+flat gradient is the shard's gradient, only the replicate all-reduce runs) and the
+per-parameter pieces of a Gloo point-to-point group (``reduces_pieces``: the ring sends each
+parameter's part of a chunk straight from autograd's gradient, no flat copy). The mean is a
+sum then a division, split around the sum for fp16 (``precision.sum_scaling``). After the
+wait, the ranks agree on which parameters were used (state.py) and ``assign_grads`` hands
+out the slices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..comm.collectives import (
+    CommStats,
+    PendingWork,
+    all_reduce_sum,
+    reduce_scatter_pieces_sum,
+    reduce_scatter_sum,
+    sends_from_pieces,
+)
+from ..precision import sum_scaling
+from .flat_group import FlatGroup
+from .layout import chunk_spans
+from .mesh import Topology
+
+PIECES_MIN_BYTES = 1 << 20  # see reduces_pieces
+Grad = torch.Tensor | tuple  # a padded flat gradient, or per-parameter ones (None: unused)
+
+
+@dataclass
+class PendingReduce:
+    """One group's gradient reduction in flight: the mirror of a pending gather."""
+
+    group: FlatGroup
+    grad_shard: torch.Tensor  # this rank's part of the averaged gradient, once ``wait`` returns
+    used: torch.Tensor  # bool per parameter: used on this rank in this backward
+    work: PendingWork
+
+    def wait(self, timeout) -> None:
+        self.work.wait(timeout)
+
+    def assign(self, used_globally: torch.Tensor, stats: CommStats) -> None:
+        """Hand the fragments their gradients (after the ranks agreed on usage)."""
+        assign_grads(self.group, self.grad_shard, used_globally, stats)
+
+
+def data_parallel_world(topo: Topology) -> int:
+    replicas = dist.get_world_size(topo.replicate_group) if topo.replicate_group else 1
+    return topo.shard_world * replicas
+
+
+def reduces_pieces(group: FlatGroup, topo: Topology, stats: CommStats) -> bool:
+    """Can ``group``'s gradient be reduced straight from its per-parameter pieces (no flat
+    copy)? When the transport can (comm decides), with no pre-division (fp16) and at least
+    ``PIECES_MIN_BYTES`` (below that one message per parameter costs more than the copy)."""
+    shard_group = topo.shard_group
+    return (
+        shard_group is not None
+        and sends_from_pieces(shard_group, stats)
+        and sum_scaling(group.reduce_dtype, data_parallel_world(topo))[0] == 1.0
+        and group.padded_numel * group.reduce_dtype.itemsize >= PIECES_MIN_BYTES
+    )
+
+
+def reduce_group(
+    group: FlatGroup, grad: Grad, used: torch.Tensor, topo: Topology, stats: CommStats
+) -> PendingReduce:
+    """Start averaging one group's gradient over every data-parallel rank: a bucket of one
+    (its padded flat gradient is already laid out in chunks), or one of the two shortcuts."""
+    if topo.shard_group is None:  # no_shard: the flat gradient is the shard's gradient
+        return _replicated(group, grad, used, topo, stats)
+    if isinstance(grad, tuple):
+        return _from_pieces(group, grad, used, topo, stats)
+    chunked = grad.view(topo.shard_world, group.shard_numel)
+    return reduce_chunked(chunked, [(group, 0, used)], topo, stats, group.label)[0][0]
+
+
+def reduce_chunked(
+    chunked: torch.Tensor,
+    members: list[tuple[FlatGroup, int, torch.Tensor]],
+    topo: Topology,
+    stats: CommStats,
+    label: str,
+) -> tuple[list[PendingReduce], PendingWork]:
+    """Start averaging ``chunked`` (``[world, total]``: row ``r`` holds chunk ``r`` of every
+    member's flat gradient, one reduce dtype) over every data-parallel rank. ``members``:
+    (group, its column offset, its used mask). One ``PendingReduce`` per member, sharing the
+    returned work (on which the caller may chain the release of ``chunked``)."""
+    pre, post = sum_scaling(chunked.dtype, data_parallel_world(topo))
+    out = torch.empty(chunked.shape[1], dtype=chunked.dtype, device=chunked.device)
+    flat = divided(chunked.view(-1), pre)
+    work = reduce_scatter_sum(out, flat, topo.shard_group, stats, label)
+    _then_replicas_and_divide(work, out, post, topo, stats, label)
+    pending = [
+        PendingReduce(group, out[offset : offset + group.shard_numel], used, work)
+        for group, offset, used in members
+    ]
+    return pending, work
+
+
+def _replicated(group: FlatGroup, grad: Grad, used, topo: Topology, stats) -> PendingReduce:
+    assert isinstance(grad, torch.Tensor)
+    label = group.label
+    pre, post = sum_scaling(group.reduce_dtype, data_parallel_world(topo))
+    grad_shard, work = divided(grad, pre), PendingWork(None, "none")
+    if topo.replicate_group is not None:
+        work = all_reduce_sum(grad_shard, topo.replicate_group, stats, label)
+    work.add_then(lambda _: grad_shard.div_(post) if post != 1.0 else None)
+    return PendingReduce(group, grad_shard, used, work)
+
+
+def _from_pieces(group: FlatGroup, grads: tuple, used, topo: Topology, stats) -> PendingReduce:
+    """The per-parameter gradients of one group (``reduces_pieces``: pre == 1)."""
+    label = group.label
+    if group.chunk_spans is None:
+        offsets = [(spec.offset, spec.numel) for spec in group.specs]
+        group.chunk_spans = chunk_spans(offsets, group.shard_numel, group.world)
+    post = sum_scaling(group.reduce_dtype, data_parallel_world(topo))[1]
+    out = torch.empty(group.shard_numel, dtype=group.reduce_dtype, device=group.device)
+    work = reduce_scatter_pieces_sum(
+        out, grads, group.chunk_spans, group.padded_numel, topo.shard_group, stats, label
+    )
+    _then_replicas_and_divide(work, out, post, topo, stats, label)
+    return PendingReduce(group, out, used, work)
+
+
+def _then_replicas_and_divide(
+    work: PendingWork, out: torch.Tensor, post: float, topo: Topology, stats, label: str
+) -> None:
+    """Once the reduce-scatter is done: (hybrid) sum ``out`` over the replicas, then divide."""
+    if topo.replicate_group is not None:
+        replicate = topo.replicate_group
+        work.add_then(lambda t: all_reduce_sum(out, replicate, stats, label).wait(t))
+    work.add_then(lambda _: out.div_(post) if post != 1.0 else None)
+
+
+def divided(flat_grad: torch.Tensor, pre: float) -> torch.Tensor:
+    """In place: the first half of the mean's division (fp16), see ``precision.sum_scaling``."""
+    return flat_grad.div_(pre) if pre != 1.0 else flat_grad
+
+
+# ---- building flat gradients ---------------------------------------------------------------
+def flat_grad_from(group: FlatGroup, grads: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
+    """One padded flat gradient from per-parameter grads; ``None`` (unused), alignment gaps
+    and the tail padding become zeros."""
+    pieces, position = [], 0
+    for spec, grad in zip(group.specs, grads, strict=True):
+        if spec.offset > position:
+            pieces.append(_zeros(group, spec.offset - position))
+        pieces.append(_zeros(group, spec.numel) if grad is None else grad.reshape(-1))
+        position = spec.offset + spec.numel
+    pieces.append(_zeros(group, group.padded_numel - position))
+    dtype = group.reduce_dtype
+    return torch.cat([p if p.dtype == dtype else p.to(dtype) for p in pieces])
+
+
+def _zeros(group: FlatGroup, n: int) -> torch.Tensor:
+    return torch.zeros(n, dtype=group.reduce_dtype, device=group.device)
+
+
+def zeros_flat_grad(group: FlatGroup) -> torch.Tensor:
+    return _zeros(group, group.padded_numel)
+
+
+def write_chunked(dest: torch.Tensor, group: FlatGroup, grad: Grad) -> None:
+    """Write ``group``'s gradient (its padded flat gradient, or the per-parameter gradients,
+    ``None`` for unused ones) into ``dest``, the ``[world, shard_numel]`` view of it: one
+    ``torch.cat`` into each row (the plan of which pieces go where is built once per group)."""
+    if isinstance(grad, torch.Tensor):
+        dest.copy_(grad.view(dest.shape))
+        return
+    if group.chunk_plan is None:
+        group.chunk_plan = _chunk_plan(group, dest.dtype)
+    flats = [None if g is None else g.reshape(-1) for g in grad]
+    for row, pieces in enumerate(group.chunk_plan):
+        parts = [gap if i is None else _piece(flats[i], a, n, dest) for i, a, n, gap in pieces]
+        torch.cat(parts, out=dest[row])
+
+
+def _piece(flat: torch.Tensor | None, start: int, n: int, like: torch.Tensor) -> torch.Tensor:
+    if flat is None:  # a parameter this backward did not use: zeros (rare)
+        return like.new_zeros(n)
+    return flat if start == 0 and n == flat.numel() else flat[start : start + n]
+
+
+def _chunk_plan(group: FlatGroup, dtype: torch.dtype) -> list[list[tuple]]:
+    """Per chunk (row) of the padded flat layout, the pieces that fill it in order: (parameter
+    index or None for a gap, start in the flattened parameter, length, zeros for a gap)."""
+    n = group.shard_numel
+    offsets = [(spec.offset, spec.numel) for spec in group.specs]
+    plan = []
+    for spans in chunk_spans(offsets, n, group.world):
+        pieces, position = [], 0
+        for at, length, index, start in spans:
+            if at > position:
+                pieces.append(_gap(at - position, dtype, group))
+            pieces.append((index, start, length, None))
+            position = at + length
+        if n > position:
+            pieces.append(_gap(n - position, dtype, group))
+        plan.append(pieces)
+    return plan
+
+
+def _gap(n: int, dtype: torch.dtype, group: FlatGroup) -> tuple:
+    return (None, 0, n, torch.zeros(n, dtype=dtype, device=group.device))
+
+
+# ---- assignment ----------------------------------------------------------------------------
+def assign_grads(
+    group: FlatGroup, grad_shard: torch.Tensor, used: torch.Tensor, stats: CommStats
+) -> None:
+    """Give each used fragment its slice of ``grad_shard``; unused ones keep ``.grad``."""
+    if group.offloaded:  # back to host memory, synchronously: the optimizer reads it next
+        stats.record("offload_d2h", grad_shard)
+        grad_shard = grad_shard.to(group.storage)
+    for spec, is_used in zip(group.specs, used.tolist(), strict=True):
+        if not is_used:
+            continue
+        frag = spec.fragment
+        piece = grad_shard[spec.local_start : spec.local_end]
+        piece = piece if piece.dtype == frag.dtype else piece.to(frag.dtype)
+        if frag.grad is None:
+            frag.grad = piece
+        else:
+            frag.grad.add_(piece)
