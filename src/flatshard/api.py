@@ -20,12 +20,13 @@ from .engine.build import build_state, describe, wrap_plan
 from .engine.mesh import require_initialized, resolve_topology
 from .engine.meta_init import InitFn
 from .engine.state import STATE_ATTR, ShardedState, get_state  # noqa: F401 (re-exported)
+from .engine.strategy import ShardingStrategy
 from .offload import CPUOffload
 from .optim.guard import guard_optimizers
 from .params import tag_fragments
 from .precision import MixedPrecision
 from .prefetch import Prefetch
-from .shard_options import ShardingStrategy, parse_options
+from .shard_options import parse_options
 from .switches import Switches
 from .wrap import Policy
 
@@ -65,7 +66,7 @@ def shard(
         coalesce, split_root,
     )  # fmt: skip
     require_initialized()
-    topology = resolve_topology(options.strategy.value, mesh)
+    topology = resolve_topology(options.strategy, mesh)
     plan = wrap_plan(model, policy)
     switches = Switches.from_environ()
     check_ranks_agree([*switches.describe(), *describe(model, plan, options)], topology.mesh_group)

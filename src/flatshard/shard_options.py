@@ -7,7 +7,6 @@ raises before anything is communicated, naming the argument and the fix.
 from __future__ import annotations
 
 import datetime
-import enum
 import os
 import warnings
 from dataclasses import dataclass
@@ -17,22 +16,12 @@ from torch import nn
 from .coalesce import Coalesce
 from .engine.meta_init import InitFn, has_meta, model_init_fn
 from .engine.state import STATE_ATTR
+from .engine.strategy import ShardingStrategy, reshards_after_forward
 from .offload import CPUOffload
 from .precision import MixedPrecision
 from .prefetch import Prefetch
 
 DEFAULT_TIMEOUT_S = 600.0
-
-
-class ShardingStrategy(str, enum.Enum):
-    FULL_SHARD = "full_shard"  # ZeRO-3: reshard parameters after forward
-    SHARD_GRAD_OP = "shard_grad_op"  # ZeRO-2: keep them gathered until the unit's backward
-    NO_SHARD = "no_shard"  # DDP semantics
-    HYBRID_SHARD = "hybrid_shard"  # shard within a group, replicate across groups
-
-
-# Strategies that free a unit's gathered parameters after its forward (ZeRO-3 style).
-RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
 
 @dataclass(frozen=True)
@@ -96,7 +85,7 @@ def parse_options(
         raise TypeError(f"offload={offload!r}: pass fs.CPUOffload(params=True)")
     if prefetch is not None and not isinstance(prefetch, Prefetch):
         raise TypeError(f"prefetch={prefetch!r}: pass fs.Prefetch(forward=..., backward=...)")
-    if reshard_root and parsed not in RESHARD_AFTER_FORWARD:
+    if reshard_root and not reshards_after_forward(parsed):
         warnings.warn(
             f"fs.shard(reshard_root=True) has no effect with strategy={parsed.value!r}: its "
             "units stay gathered until their backward (use full_shard or hybrid_shard)",

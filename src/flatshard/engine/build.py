@@ -13,7 +13,7 @@ from torch import nn
 from ..comm.collectives import CommStats
 from ..comm.debug import OpChecker
 from ..precision import MixedPrecision
-from ..shard_options import RESHARD_AFTER_FORWARD, ShardOptions
+from ..shard_options import ShardOptions
 from ..switches import Switches
 from ..wrap import Policy, WrapPlan, auto, build_plan, root_only
 from . import root_split
@@ -22,6 +22,7 @@ from .mesh import Topology
 from .meta_init import check_nothing_on_meta, has_meta, materialize_unit
 from .root_split import tail_parameters
 from .state import ShardedState
+from .strategy import reshards_after_forward
 from .unit import Unit
 
 
@@ -108,13 +109,11 @@ def _build_units(
             )
         # The root's backward comes first, so resharding it after forward would only regather.
         is_root = module is model
-        reshard = options.strategy in RESHARD_AFTER_FORWARD and (
-            not is_root or options.reshard_root
-        )
+        reshard = reshards_after_forward(options.strategy) and (not is_root or options.reshard_root)
         parts = _split_root(model, plan, params, slots) if is_root and options.split_root else []
         # The root with its tail split off is released after forward and regathered only if
         # backward needs it (see [Note: the lazy root]); the tail is the root as before.
-        lazy = len(parts) == 2 and options.strategy in RESHARD_AFTER_FORWARD
+        lazy = len(parts) == 2 and reshards_after_forward(options.strategy)
         lazy = lazy and root_split.worth_lazy(parts[0])
         for i, members in enumerate(parts or [params]):
             unit = Unit(

@@ -1,5 +1,7 @@
 """Resolving ``strategy`` + ``mesh=`` into a ``Topology``: who shards with whom, who replicates.
 
+Each strategy names the role of each mesh dimension (engine/strategy.py ``STRATEGIES``):
+
     full_shard / shard_grad_op   shard over the mesh (1-D), no replication
     no_shard                     no sharding (every rank holds everything), replicate over the mesh
     hybrid_shard                 2-D mesh (replicate, shard): shard within a row, replicate across
@@ -23,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from .strategy import STRATEGIES, MeshRole, ShardingStrategy
 
 
 @dataclass(frozen=True)
@@ -59,14 +63,13 @@ def require_initialized() -> None:
         )
 
 
-def resolve_topology(strategy: str, mesh) -> Topology:
-    if strategy == "hybrid_shard":
-        replicate, shard = _two_groups(mesh)
-        whole = _whole_mesh_group(mesh)
-    else:
-        group = _one_group(mesh, strategy)
-        replicate, shard = (group, None) if strategy == "no_shard" else (None, group)
-        whole = group
+def resolve_topology(strategy: ShardingStrategy, mesh) -> Topology:
+    """``mesh`` read the way ``strategy`` reads it (see engine/strategy.py)."""
+    roles = STRATEGIES[strategy].dims
+    dims = _mesh_groups(mesh, strategy, len(roles))
+    shard = next((g for r, g in zip(roles, dims, strict=True) if r is MeshRole.SHARD), None)
+    replicate = next((g for r, g in zip(roles, dims, strict=True) if r is MeshRole.REPLICATE), None)
+    whole = dims[0] if len(dims) == 1 else _whole_mesh_group(mesh)
     device = compute_device(whole)  # asked before size-one groups become None
     shard = shard if shard is not None and dist.get_world_size(shard) > 1 else None
     replicate = replicate if replicate is not None and dist.get_world_size(replicate) > 1 else None
@@ -78,6 +81,11 @@ def resolve_topology(strategy: str, mesh) -> Topology:
         device=device,
         mesh_group=whole,
     )
+
+
+def _mesh_groups(mesh, strategy: ShardingStrategy, ndim: int) -> list[dist.ProcessGroup]:
+    """The group of each dimension of ``mesh`` (``ndim`` of them, as the strategy needs)."""
+    return [_one_group(mesh, strategy)] if ndim == 1 else _two_groups(mesh, strategy)
 
 
 def _whole_mesh_group(mesh) -> dist.ProcessGroup:
@@ -102,7 +110,7 @@ def _whole_mesh_group(mesh) -> dist.ProcessGroup:
 _MESH_GROUPS: dict[tuple[int, tuple[int, ...]], dist.ProcessGroup] = {}
 
 
-def _one_group(mesh, strategy: str) -> dist.ProcessGroup:
+def _one_group(mesh, strategy: ShardingStrategy) -> dist.ProcessGroup:
     """The group of a 1-D layout: the world, a 1-D DeviceMesh or a ProcessGroup."""
     if mesh is None:
         return dist.group.WORLD
@@ -113,7 +121,7 @@ def _one_group(mesh, strategy: str) -> dist.ProcessGroup:
     if isinstance(mesh, DeviceMesh):
         if mesh.ndim != 1:
             raise ValueError(
-                f"mesh={mesh!r} has {mesh.ndim} dimensions; strategy {strategy!r} uses a 1-D "
+                f"mesh={mesh!r} has {mesh.ndim} dimensions; strategy {strategy.value!r} uses a 1-D "
                 "mesh. Pass mesh[dim_name] for one dimension, or strategy='hybrid_shard' for a "
                 "2-D (replicate, shard) mesh"
             )
@@ -124,16 +132,16 @@ def _one_group(mesh, strategy: str) -> dist.ProcessGroup:
     )
 
 
-def _two_groups(mesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+def _two_groups(mesh, strategy: ShardingStrategy) -> list[dist.ProcessGroup]:
     from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2:
         raise ValueError(
-            f"strategy='hybrid_shard' needs mesh= a 2-D DeviceMesh with dims (replicate, shard), "
-            f"got {mesh!r}; e.g. init_device_mesh('cuda', (nodes, gpus_per_node), "
+            f"strategy={strategy.value!r} needs mesh= a 2-D DeviceMesh with dims (replicate, "
+            f"shard), got {mesh!r}; e.g. init_device_mesh('cuda', (nodes, gpus_per_node), "
             "mesh_dim_names=('replicate', 'shard'))"
         )
-    return mesh.get_group(0), mesh.get_group(1)
+    return [mesh.get_group(0), mesh.get_group(1)]
 
 
 def compute_device(group: dist.ProcessGroup) -> torch.device:
