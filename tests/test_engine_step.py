@@ -174,12 +174,11 @@ def case_no_sync(keep: str, strategy: str) -> dict:
 def test_no_sync_accumulation_matches_single_process(dist_pools, keep, strategy, world):
     results = dist_pools(world).run(case_no_sync, keep, strategy)
     assert results[0]["err"] <= 1e-5
-    # unsharded: nothing is reduced inside the block; sharded: every micro-batch reduces each
-    # of the 4 units (3 blocks + root) once, and hybrid adds the all-reduce across replicas
-    # (max over the steps: the first, before the blocks are coalesced, reduces each of the 5
-    # units, the root's tail included)
-    units = UNITS + 1
-    expected = 0 if keep == "unsharded" else units * (2 if strategy == "hybrid_shard" else 1)
+    # unsharded: nothing is reduced inside the block; sharded: every micro-batch reduces the
+    # bucket of the 3 blocks (coalesced from the first step: planned at fs.shard), the root and
+    # the root's tail once each, and hybrid adds the all-reduce across replicas
+    reductions = 3
+    expected = 0 if keep == "unsharded" else reductions * (2 if strategy == "hybrid_shard" else 1)
     assert all(r["reductions_inside"] == expected for r in results), (expected, results)
 
 

@@ -19,8 +19,10 @@ class Coalesce:
     is done. Layouts, fragments, the optimizer and checkpoints are unchanged: coalescing only
     changes how many messages carry the same bytes, so results are identical with and without.
 
-    The forward order is the one recorded on the first iteration (which therefore runs
-    uncoalesced); ``buckets`` replaces the automatic choice by an explicit one.
+    Buckets are chosen at ``fs.shard`` from the modules' order (``model.modules()``: a parent
+    before its children, siblings in registration order) and used from the first step on; the
+    first iteration's forward order checks them (a warning names a bucket whose members did
+    not run one after another). ``buckets`` replaces the automatic choice by an explicit one.
     """
 
     unit_bytes: int = 2 * MIB

@@ -1,9 +1,10 @@
 """Buckets of coalesced units: one all-gather and one reduce-scatter for several small units.
 
 [Note: coalesced units]
-A bucket is a run of units that follow each other in the recorded forward order (chosen by
-``plan_buckets`` from ``fs.Coalesce``). Nothing about a member changes but *how its bytes
-travel*: each member keeps its own flat layout, fragments, full buffer and state machine.
+A bucket is a run of units that follow each other in the modules' order, chosen at
+``fs.shard`` (``plan_for``, from ``fs.Coalesce``) and checked against the first forward.
+Nothing about a member changes but *how its bytes travel*: each member keeps its own flat
+layout, fragments, full buffer and state machine.
 
 * **Gather.** When the training hooks gather (or prefetch) a member that is sharded, every
   member of its bucket that is sharded right then is gathered with it: each rank sends the
@@ -190,8 +191,8 @@ def gathered_bytes(unit: Unit) -> int:
 
 def plan_buckets(order: list[Unit], config: Coalesce, root: torch.nn.Module) -> list[list[Unit]]:
     """Automatic buckets: maximal runs of consecutive coalescible units of at most
-    ``unit_bytes`` each, cut where the run would exceed ``bucket_bytes``; runs of one unit
-    stay alone."""
+    ``unit_bytes`` each (in ``order``: the modules' order, see ``module_order``), cut where the
+    run would exceed ``bucket_bytes``; runs of one unit stay alone."""
     runs: list[list[Unit]] = [[]]
     total = 0
     for unit in order:
@@ -204,6 +205,37 @@ def plan_buckets(order: list[Unit], config: Coalesce, root: torch.nn.Module) -> 
             runs[-1].append(unit)
             total += size
     return [run for run in runs if len(run) > 1]
+
+
+def module_order(units: list[Unit], root: torch.nn.Module) -> list[Unit]:
+    """``units`` in the order of their modules in ``root.modules()`` (a parent before its
+    children, siblings in registration order: the order a forward usually runs them)."""
+    rank = {id(m): i for i, m in enumerate(root.modules())}
+    return sorted(units, key=lambda u: (rank[id(u.module)], u.part == "tail"))
+
+
+def bucket_order_message(bucket: Bucket, forward_order: list[Unit]) -> str:
+    """The warning when a bucket's members did not run one after another in the forward."""
+    names = [type(u.module).__name__ + f"#{u.index}" for u in bucket.units]
+    ran = [f"{type(u.module).__name__}#{u.index}" for u in forward_order]
+    return (
+        f"flatshard: bucket {bucket.index} ({', '.join(names)}) was planned at fs.shard from "
+        f"the modules' order, but its units did not run one after another in the first "
+        f"forward (forward order: {', '.join(ran[:12])}{' ...' if len(ran) > 12 else ''}). "
+        "Results are unaffected, but the bucket holds its members' gathered parameters "
+        "longer than needed. Pass fs.shard(..., coalesce=fs.Coalesce(buckets=[[names of "
+        "modules that run one after another], ...])) or coalesce=False."
+    )
+
+
+def plan_for(config: Coalesce, units: list[Unit], root: torch.nn.Module) -> list[list[Unit]]:
+    """The buckets of ``fs.shard``: the explicit ones, or automatic in module order."""
+    if config.buckets is not None:
+        names = {id(m): n for n, m in root.named_modules()}
+        return named_buckets(config, units, names, root)
+    if not config.enabled:
+        return []
+    return plan_buckets(module_order(units, root), config, root)
 
 
 def named_buckets(

@@ -17,7 +17,7 @@ from ..shard_options import ShardOptions
 from ..switches import Switches
 from ..wrap import Policy, WrapPlan, auto, build_plan, root_only
 from . import root_split
-from .buckets import named_buckets
+from .buckets import plan_for
 from .mesh import Topology
 from .meta_init import check_nothing_on_meta, has_meta, materialize_unit
 from .root_split import tail_parameters
@@ -46,9 +46,7 @@ def build_state(
         coalesce=options.coalesce,
         root=model,
     )
-    if options.coalesce.buckets is not None:
-        names = {id(m): n for n, m in model.named_modules()}
-        state.install_buckets(named_buckets(options.coalesce, units, names, model))
+    state.install_buckets(plan_for(options.coalesce, units, model))
     check_nothing_on_meta(model)
     _place_buffers(model, topology, options.mixed_precision)
     return state

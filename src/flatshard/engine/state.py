@@ -14,6 +14,7 @@ whose shard moved on is regathered before use.
 from __future__ import annotations
 
 import datetime
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -22,11 +23,10 @@ import torch.distributed as dist
 
 from ..coalesce import Coalesce
 from ..comm.collectives import CommStats, all_reduce
-from ..comm.fingerprint import check_ranks_agree
 from ..prefetch import Prefetch
 from ..switches import Switches
 from .bucket_storage import StorageCache
-from .buckets import Bucket, plan_buckets
+from .buckets import Bucket, bucket_order_message
 from .gather_pool import GatheredBytes, GatherPool
 from .mesh import Topology
 from .reduce import PendingReduce
@@ -85,7 +85,6 @@ class ShardedState:
         self.coalesce = coalesce if coalesce is not None else Coalesce(unit_bytes=0)
         self.root = root
         self.buckets: list[Bucket] = []
-        self.buckets_planned = False
         self.storage_cache: StorageCache | None = None  # made with the buckets
         # The root's tail (see root_split.py) starts every backward: the last unit of the
         # forward is not the first of the backward then.
@@ -131,13 +130,11 @@ class ShardedState:
 
     # ---- coalescing --------------------------------------------------------------------------
     def install_buckets(self, buckets: list[list[Unit]]) -> None:
-        """Make each list of units a bucket (every rank must pass the same: checked here)."""
-        self.buckets_planned = True
+        """Make each list of units a bucket (at ``fs.shard``: the plan is a function of the
+        model and the options, which every rank of the mesh agreed on)."""
         self._ahead.clear()
         if not buckets:
             return
-        lines = [f"bucket {' '.join(str(u.index) for u in b)}" for b in buckets]
-        check_ranks_agree(lines, self.topology.mesh_group)
         self.storage_cache = StorageCache(self.buffers_kept, self.coalesce.bucket_bytes)
         self.buckets = [
             Bucket(
@@ -146,12 +143,14 @@ class ShardedState:
             for i, b in enumerate(buckets)
         ]
 
-    def _plan_buckets(self) -> None:
-        """After the first iteration: buckets from the recorded forward order."""
-        if self.buckets_planned or self.forward_order.frozen is None:
-            return
-        order = self.forward_order.frozen
-        self.install_buckets(plan_buckets(order, self.coalesce, self.root) if self.root else [])
+    def _check_bucket_order(self) -> None:
+        """After the first iteration: did each bucket's members run one after another?"""
+        order = self.forward_order.frozen or []
+        position = {id(u): i for i, u in enumerate(order)}
+        for bucket in self.buckets:
+            places = [position.get(id(u)) for u in bucket.units]
+            if None in places or places != list(range(places[0], places[0] + len(places))):
+                warnings.warn(bucket_order_message(bucket, order), stacklevel=2)
 
     def in_last_bucket(self, unit: Unit) -> bool:
         """Is ``unit`` in the bucket of the forward's last unit?"""
@@ -250,9 +249,10 @@ class ShardedState:
             for r, used_globally in zip(reduced, used, strict=True):
                 r.assign(used_globally, self.stats)
         self.reshard_all()
-        self.forward_order.freeze()
+        if self.forward_order.frozen is None:
+            self.forward_order.freeze()
+            self._check_bucket_order()
         self.backward_order.freeze()
-        self._plan_buckets()
 
     def _agree_on_usage(self, masks: list[torch.Tensor]) -> list[torch.Tensor]:
         """A parameter used on any rank gets a gradient on every rank (one small all-reduce)."""

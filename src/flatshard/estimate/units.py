@@ -121,7 +121,7 @@ def _unit(layout: Layout, name: str, sizes: tuple[int, ...]) -> Unit:
 
 
 def _buckets(block_bytes: int, layers: int, layout: Layout) -> tuple[tuple[int, ...], ...]:
-    """``engine.buckets.plan_buckets`` on the forward order (tail, root, blocks): the root and
+    """``engine.buckets.plan_buckets`` on the modules' order (root, tail, blocks): the root and
     the tail cut runs, so only the blocks, all of one size, can form buckets."""
     coalescible = layout.coalesce and layout.strategy != "no_shard" and layout.shard_world > 1
     if not coalescible or block_bytes > COALESCE.unit_bytes:
