@@ -57,6 +57,9 @@ def clip_grad_norm_(
         return local
     inf = norm_type == float("inf")
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    # On the compute device whatever the gradients' (CPUOffload keeps them on the host, and
+    # NCCL reduces device tensors only): every rank hands the collective the same kind.
+    local = local.to(device)
     all_reduce(local, state.group, state.stats, op=op, name="norm_all_reduce")
     total = local if inf else local.pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
@@ -66,7 +69,7 @@ def clip_grad_norm_(
         )
     clip_coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
     if grads:
-        torch._foreach_mul_(grads, clip_coef.to(grads[0].dtype))
+        torch._foreach_mul_(grads, clip_coef.to(grads[0].device, grads[0].dtype))
     return total
 
 

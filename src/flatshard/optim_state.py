@@ -90,7 +90,9 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
 def _gather(optimizer, group, key: str, unit, timeout) -> torch.Tensor:
     values = [optimizer.state.get(s.fragment, {}).get(key) for s in group.specs]
     dtype = next((v.dtype for v in values if v is not None), torch.float32)
-    shard = torch.zeros(group.shard_numel, dtype=dtype, device=group.shard.device)
+    # Collectives on the compute device (``group.device``): under CPUOffload the state lives
+    # on the host, and NCCL gathers device tensors only.
+    shard = torch.zeros(group.shard_numel, dtype=dtype, device=group.device)
     for spec, value in zip(group.specs, values, strict=True):
         if value is not None and spec.local_end > spec.local_start:
             shard[spec.local_start : spec.local_end].copy_(value)
@@ -125,7 +127,7 @@ def load_full_optimizer_state_dict(
                 if spec.fragment.requires_grad:
                     piece = full[start + spec.local_start : start + spec.local_end]
                     entry = optimizer.state.setdefault(spec.fragment, {})
-                    entry[key] = piece.clone()
+                    entry[key] = piece.to(spec.fragment.device, copy=True)  # where state lives
         for spec in group.specs:
             for key, value in others.get(names[id(spec.fragment)], {}).items():
                 optimizer.state.setdefault(spec.fragment, {})[key] = value
@@ -165,8 +167,9 @@ def _full_buffer(saved, group, key, names, dtype, unit) -> torch.Tensor:
 
 
 def _broadcast_full(full, group, dtype, unit, mesh_group) -> torch.Tensor:
+    """The first rank's full buffer on every rank, on the compute device (see ``_gather``)."""
     world = dist.get_world_size(unit.process_group) if unit.process_group is not None else 1
-    device = group.shard.device
+    device = group.device
     if full is None:
         full = torch.empty(world * group.shard_numel, dtype=dtype, device=device)
     else:

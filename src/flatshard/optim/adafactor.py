@@ -65,14 +65,18 @@ class Adafactor(WholeParamOptimizer):
         items = [self._item(p, g) for p, g in self._with_grads()]
         if not items:
             return loss
-        group = items[0].whole.group
-        sums = torch.cat([item.local_sums() for item in items])
+        group, device = items[0].whole.group, items[0].whole.device
+        # The collectives run on the compute device (NCCL reduces device tensors only, and
+        # under CPUOffload the gradients live on the host); the state stays where it lives.
+        sums = torch.cat([item.local_sums() for item in items]).to(device)
         all_reduce_sum(sums, group, self._comm)
+        sums = sums.to(items[0].grad.device)
+        scalars = sums.tolist() if sums.device.type == "cpu" else sums.cpu().tolist()  # 1 sync
         offset, norms = 0, []
         for item in items:
-            offset = item.advance(sums, offset)
+            offset = item.advance(sums, scalars, offset)
             norms.append(item.update_square_sum())
-        norms_t = torch.stack(norms)
+        norms_t = torch.stack(norms).to(device)
         all_reduce_sum(norms_t, group, self._comm)
         for item, norm_sq in zip(items, norms_t.tolist(), strict=True):
             item.apply(norm_sq)
@@ -127,16 +131,17 @@ class _Item:
             return param_sq
         return torch.cat([param_sq, partial_sums(self.grad * self.grad, self.rows)])
 
-    def advance(self, sums: torch.Tensor, offset: int) -> int:
+    def advance(self, sums: torch.Tensor, scalars: list[float], offset: int) -> int:
         """The step count, the step size and the second moment, from the reduced sums at
-        ``offset``; returns the offset of the next parameter's sums."""
+        ``offset`` (``scalars``: the same on the host, read once for every parameter);
+        returns the offset of the next parameter's sums."""
         h, step_t = self.hyper, self.state["step"]
         step_t += 1
         step = step_t.item()
         weight = step ** h["beta2_decay"]  # 1 - beta2_t
         lr = float(h["lr"])
         rho = min(lr, 1 / step**0.5)
-        rms = math.sqrt(max(sums[offset].item(), 0.0)) / self.whole.numel**0.5
+        rms = math.sqrt(max(scalars[offset], 0.0)) / self.whole.numel**0.5
         self.alpha = max(h["eps"][1], rms) * rho
         eps1 = h["eps"][0]
         self.eps1 = torch.finfo(self.whole.param.dtype).eps if eps1 is None else eps1

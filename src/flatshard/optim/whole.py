@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.collectives import CommStats
+from ..engine.layout import overlap
 from ..params import fragment_tag
 
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=600)
@@ -90,9 +91,8 @@ def whole_param(param: torch.Tensor) -> WholeParam:
 
 def _fragment_length(offset: int, numel: int, shard_numel: int, rank: int) -> int:
     """How many elements of a parameter at ``offset`` the shard of ``rank`` holds."""
-    lo, hi = rank * shard_numel, (rank + 1) * shard_numel
-    start = max(offset, lo)
-    return max(start, min(offset + numel, hi)) - start
+    start, end = overlap(offset, numel, rank * shard_numel, (rank + 1) * shard_numel)
+    return end - start
 
 
 def comm_of(params: list[torch.Tensor]) -> Comm:
