@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import flatshard as fs
-from flatshard.api import get_state
 
 VOCAB, SEQ = 53, 12
 
@@ -480,21 +479,18 @@ def _mark_noise_floor(ref: nn.Module, noisy: dict) -> None:
 
 def _max_grad_err(model: nn.Module, ref: nn.Module) -> float:
     """Largest relative error of this rank's gradient fragments against the reference's."""
-    state = get_state(model)  # white-box: each fragment's range in its full parameter
     ref_params = dict(ref.named_parameters())
     names = {id(p): n for n, p in plain_named_parameters(model)}
     worst = 0.0
-    for unit in state.units:
-        for group in unit.groups:
-            for spec in group.specs:
-                frag = spec.fragment
-                if frag.grad is None or not frag.numel():
-                    continue
-                full_grad = ref_params[names[id(frag)]].grad.reshape(-1)
-                start, end = group.fragment_range(spec)
-                scale = full_grad.abs().max().item()
-                err = (frag.grad - full_grad[start:end]).abs().max().item()
-                worst = max(worst, err / max(scale, 1e-12))
+    for info in fs.fragment_info(model).values():
+        frag = info.fragment
+        if frag.grad is None or not frag.numel():
+            continue
+        full_grad = ref_params[names[id(frag)]].grad.reshape(-1)
+        start, end = info.flat_range
+        scale = full_grad.abs().max().item()
+        err = (frag.grad - full_grad[start:end]).abs().max().item()
+        worst = max(worst, err / max(scale, 1e-12))
     return worst
 
 

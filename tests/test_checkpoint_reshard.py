@@ -16,7 +16,6 @@ from torch import nn
 
 import flatshard as fs
 import flatshard.checkpoint as ckpt
-from flatshard.api import get_state
 from parity_models import (
     CASES,
     MLP,
@@ -80,20 +79,17 @@ def _state_err(opt: torch.optim.Optimizer, ref_opt: torch.optim.Optimizer, model
     """Largest relative difference of this rank's optimizer-state fragments to the reference."""
     ref_params = dict(ref.named_parameters())
     worst = 0.0
-    for unit in get_state(model).units:
-        for group in unit.groups:
-            for spec in group.specs:
-                start, end = group.fragment_range(spec)
-                name = next(n for n, p in model.named_parameters() if p is spec.fragment)
-                want = ref_opt.state[ref_params[name]]
-                have = opt.state[spec.fragment]
-                assert set(have) == set(want), (name, set(have), set(want))
-                worst = max(worst, rel_err(have["step"], want["step"]))
-                for key in ("exp_avg", "exp_avg_sq"):
-                    full = want[key].reshape(-1)
-                    scale = max(full.abs().max().item(), 1e-12)
-                    err = (have[key] - full[start:end]).abs().max().item() if end > start else 0
-                    worst = max(worst, err / scale)
+    for name, info in fs.fragment_info(model).items():
+        start, end = info.flat_range
+        want = ref_opt.state[ref_params[name]]
+        have = opt.state[info.fragment]
+        assert set(have) == set(want), (name, set(have), set(want))
+        worst = max(worst, rel_err(have["step"], want["step"]))
+        for key in ("exp_avg", "exp_avg_sq"):
+            full = want[key].reshape(-1)
+            scale = max(full.abs().max().item(), 1e-12)
+            err = (have[key] - full[start:end]).abs().max().item() if end > start else 0
+            worst = max(worst, err / scale)
     return worst
 
 
@@ -197,11 +193,8 @@ def case_replicated(path: str, save: bool) -> dict:
     else:
         ckpt.load(path, model=model, optimizer=opt)
     pieces = {}
-    for unit in get_state(model).units:
-        for group in unit.groups:
-            for spec in group.specs:
-                name = next(n for n, p in model.named_parameters() if p is spec.fragment)
-                pieces[name] = (group.fragment_range(spec), opt.state[spec.fragment]["exp_avg"])
+    for name, info in fs.fragment_info(model).items():
+        pieces[name] = (info.flat_range, opt.state[info.fragment]["exp_avg"])
     return {"pieces": pieces, "full": fs.full_state_dict(model)}
 
 

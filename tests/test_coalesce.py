@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import flatshard as fs
-from flatshard.api import get_state
+from flatshard.engine.state import get_state
 from parity_models import CASES, Block, TinyGPT, _lm_loss, _tokens, mesh_for
 
 STEPS = 4
@@ -28,6 +28,15 @@ def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
 def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     pairs = zip(a, b, strict=True)
     return max(((x - y).abs().max().item() if x.numel() else 0.0) for x, y in pairs)
+
+
+def _buckets(model: torch.nn.Module, key=lambda u: u.index) -> list[list]:
+    """Each bucket's members (``key`` of their ``fs.units`` entry), by bucket index."""
+    buckets: dict[int, list] = {}
+    for unit in fs.units(model):
+        if unit.bucket is not None:
+            buckets.setdefault(unit.bucket, []).append(key(unit))
+    return [buckets[i] for i in sorted(buckets)]
 
 
 def _build(name: str, strategy: str, route: str, coalesce, mp):
@@ -74,8 +83,7 @@ def case_identical(
         params = [[p.detach().clone() for p in m.parameters()] for m in models]
         worst["param"] = max(worst["param"], _max_diff(*params))
         calls.append(counts)
-    buckets = [[u.index for u in b.units] for b in get_state(models[0]).buckets]
-    return {**worst, "calls": calls, "buckets": buckets}
+    return {**worst, "calls": calls, "buckets": _buckets(models[0])}
 
 
 SETUPS = [
@@ -119,14 +127,14 @@ def case_plan(coalesce) -> dict:
         fs.comm_stats(model, reset=True)
         _lm_loss(model, _tokens(torch.Generator().manual_seed(step), 2)).backward()
         opt.step(), opt.zero_grad()
-    state = get_state(model)
-    names = {id(m): n for n, m in model.named_modules()}
+    units = fs.units(model)
     calls = fs.comm_stats(model).calls
     return {
-        "buckets": [[names[id(u.module)] for u in b.units] for b in state.buckets],
+        "buckets": _buckets(model, key=lambda u: u.name),
+        "bucket_of": [u.bucket for u in units],
         "gathers": calls.get("all_gather", 0),
         "reduces": calls.get("reduce_scatter", 0),
-        "block_bytes": sum(g.padded_numel * 4 for g in state.units[1].groups),
+        "block_bytes": units[1].full_bytes,
     }
 
 
@@ -138,10 +146,12 @@ def test_plan_follows_the_thresholds(dist_pools):
     # except the last of the forward (kept), 7 reductions.
     off = pool.run(case_plan, False)[0]
     assert (off["buckets"], off["gathers"], off["reduces"]) == ([], 12, 7)
+    assert off["bucket_of"] == [None] * 7  # fs.units: no unit is coalesced
     # Buckets of at most two blocks: three buckets, each one collective; the last bucket of
     # the forward stays gathered into the backward (it is the first there, like the last unit).
     two = pool.run(case_plan, fs.Coalesce(unit_bytes=block, bucket_bytes=2 * block))[0]
     assert two["buckets"] == [blocks[0:2], blocks[2:4], blocks[4:6]]
+    assert two["bucket_of"] == [0, 0, 1, 1, 2, 2, None]  # the root is never coalesced
     assert (two["gathers"], two["reduces"]) == (1 + 3 + 2, 1 + 3)
     # Units larger than unit_bytes stay alone.
     none = pool.run(case_plan, fs.Coalesce(unit_bytes=block - 1))[0]
@@ -150,6 +160,7 @@ def test_plan_follows_the_thresholds(dist_pools):
     explicit = fs.Coalesce(unit_bytes=0, buckets=[blocks[1:4], blocks[4:6]])
     named = pool.run(case_plan, explicit)[0]
     assert named["buckets"] == [blocks[1:4], blocks[4:6]]
+    assert named["bucket_of"] == [None, 0, 0, 0, 1, 1, None]
     assert named["gathers"] == 4 + 2  # root, blocks.0, two buckets; backward: blocks.0, bucket
 
 
@@ -193,29 +204,32 @@ def test_errors_name_the_value_and_the_fix(dist_pools):
 
 def case_storage_reuse(keep: int | None) -> dict:
     """Fresh bucket storages in the third step of a 6-block TinyGPT in three buckets (the
-    StorageCache's ``keep`` replaced when given), and whether flatshard's count of gathered
-    bytes still equals the buffers it holds, between steps."""
+    StorageCache's ``keep`` replaced when given), the bytes kept for reuse, and whether
+    flatshard's count of gathered bytes still equals the buffers it holds, between steps."""
     probe = fs.shard(TinyGPT(layers=1), policy=fs.wrap.by_type(Block), coalesce=False)
-    unit = next(u for u in get_state(probe).units if isinstance(u.module, Block))
-    block = sum(g.padded_numel * 4 for g in unit.groups)
+    block = next(u.full_bytes for u in fs.units(probe) if isinstance(u.module, Block))
     coalesce = fs.Coalesce(unit_bytes=block, bucket_bytes=2 * block)
     torch.manual_seed(0)
     model = fs.shard(TinyGPT(layers=6), policy=fs.wrap.by_type(Block), coalesce=coalesce)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    state, counts = get_state(model), []
+    state = get_state(model)  # white-box: the cache's size, the buffers behind the count
+    counts = []
     for step in range(3):
         if step == 1 and keep is not None:
             state.storage_cache.keep = keep
-        before = sum(s.allocations for b in state.buckets for s in b.storages)
+        before = fs.memory_stats(model).bucket_storage_allocations
         _lm_loss(model, _tokens(torch.Generator().manual_seed(step), 2)).backward()
         opt.step(), opt.zero_grad()
-        counts.append(sum(s.allocations for b in state.buckets for s in b.storages) - before)
+        counts.append(fs.memory_stats(model).bucket_storage_allocations - before)
     held = sum(t.untyped_storage().nbytes() for t in state.gathered_buffers())
+    memory = fs.memory_stats(model)
     return {
-        "buckets": len(state.buckets),
+        "buckets": len(_buckets(model)),
         "fresh": counts[-1],
-        "accounted": fs.memory_stats(model).gathered_bytes == held,
-        "cached": len(state.storage_cache._cached),
+        "accounted": memory.gathered_bytes == held,
+        "cached": memory.cached_bytes,
+        "gathered": memory.gathered_bytes,
+        "block_bytes": block,
     }
 
 
@@ -223,8 +237,11 @@ def test_released_bucket_storages_are_reused(dist_pools):
     pool = dist_pools(2)
     # Steady step, three buckets, the last kept into the backward: without the cache every
     # gather maps fresh memory (3 in forward, 2 regathers in backward); with it, only the
-    # gather that finds the cache full (the last bucket, released third) does.
+    # gather that finds the cache full (the last bucket, released third) does. Two storages
+    # stay kept between steps, each its two blocks (the second on a 16-byte boundary).
     for r in pool.run(case_storage_reuse, None):
-        assert (r["buckets"], r["fresh"], r["accounted"], r["cached"]) == (3, 1, True, 2), r
+        assert (r["buckets"], r["fresh"], r["accounted"]) == (3, 1, True), r
+        storage = 2 * r["block_bytes"]
+        assert 2 * storage <= r["cached"] <= 2 * (storage + 16) and r["cached"] <= r["gathered"], r
     for r in pool.run(case_storage_reuse, 0):
         assert (r["buckets"], r["fresh"], r["accounted"], r["cached"]) == (3, 5, True, 0), r

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import flatshard as fs
-from flatshard.api import get_state
+from flatshard.engine.state import get_state
 from parity_models import Block, LoRAModel, TinyGPT, _lm_loss, rel_err, state_dict_err
 from patching import patched_env
 from tiny_pair import tiny_pair
@@ -384,7 +384,7 @@ def case_switches_read_once() -> dict:
     """The switches are read at fs.shard: changing the environment afterwards changes nothing."""
     model = fs.shard(TinyGPT(layers=1), policy=fs.wrap.by_type(Block))
     with patched_env(FLATSHARD_GLOO_P2P="0"):
-        state = get_state(model)  # white-box: the stored switches
+        state = get_state(model)  # white-box: the switches fs.shard read (not reported)
         model(torch.randint(0, 50, (2, 5))).sum().backward()
         return {"p2p": state.stats.p2p, "switches": state.switches.describe()}
 
@@ -413,6 +413,9 @@ def case_introspection() -> dict:
         "params": [list(u.params) for u in units],
         "reshard": [u.reshard_after_forward for u in units],
         "parts": [u.part for u in units],
+        "unit_bytes": [u.full_bytes for u in units],
+        "lazy": [u.lazy for u in units],
+        "bucket": [u.bucket for u in fs.units(model)],
         "gathered_now": [u.gathered for u in fs.units(model)],
         "plain_numel": {n: p.numel() for n, p in plain.named_parameters()},
         "calls": step.calls,
@@ -429,15 +432,34 @@ def test_introspection_api(dist_pools):
     # over the root module; both stay gathered from forward into backward.
     assert r["names"] == ["blocks.0", "blocks.1", "", ""] and r["parts"] == ["", "", "", "tail"]
     assert r["reshard"] == [True, True, False, False]
+    assert r["lazy"] == [False] * 4  # the root is below LAZY_MIN_BYTES: it stays gathered
+    assert r["bucket"] == [0, 0, None, None]  # the tiny blocks are coalesced, the root never
     every = [n for names in r["params"] for n in names]
     assert sorted(every) == sorted(r["plain_numel"])  # each parameter in exactly one unit
-    for names, numel in zip(r["params"], r["numel"], strict=True):
+    for names, numel, full in zip(r["params"], r["numel"], r["unit_bytes"], strict=True):
         assert numel == sum(r["plain_numel"][n] for n in names)
+        assert 4 * numel <= full <= 4 * numel + 1024  # fp32, padding included
     assert r["gathered_now"] == [False] * 4  # after backward everything is released
-    # first step (no recorded order yet): 4 gathers for forward, both blocks again for backward
-    assert r["calls"] == {"all_gather": 6, "reduce_scatter": 4, "usage_all_reduce": 1}
+    # first step: the two blocks' bucket (planned at fs.shard), the root and its tail in
+    # forward, the bucket again for backward (no recorded order yet to keep it gathered);
+    # reductions: the bucket, the root, the tail
+    assert r["calls"] == {"all_gather": 4, "reduce_scatter": 3, "usage_all_reduce": 1}
     assert r["after_reset"] == {}
     m = r["memory"]
     assert r["full_bytes"] / 2 <= m.shard_bytes <= r["full_bytes"] / 2 + 1024  # half + padding
+    assert sum(r["unit_bytes"]) == 2 * m.shard_bytes  # each unit's full buffer: two shards
     # between steps only the pool's free buffers remain (kept for the next forward)
     assert 0 < m.gathered_bytes < m.gathered_peak_bytes and m.pool_allocations >= 1
+
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_rank_chunk_starts_on_16_bytes(world, dtype):
+    """An odd total in bf16 at world 3 used to start rank 1's chunk 6 bytes off 16."""
+    from flatshard.engine.layout import FlatLayout, align_elements
+
+    align = align_elements(dtype)
+    for shapes in ([(3, 5)], [(7,), (1,), (13, 3)], [(1,)]):
+        layout = FlatLayout([torch.Size(s) for s in shapes], world=world, rank=0, align=align)
+        chunk_bytes = layout.shard_numel * dtype.itemsize
+        assert chunk_bytes % 16 == 0, (shapes, world, dtype, layout.shard_numel)

@@ -100,9 +100,9 @@ def test_collectives_per_step(dist_pools, strategy):
     assert counts["gpt_default"] == DEFAULT_COUNTS[strategy]
     # LoRA (full_shard): two units; the frozen groups are gathered, never reduce-scattered.
     assert counts["lora"]["reduce_scatter"] == 2
-    # Per unit: at most world-1 fp32 elements of tail padding, and up to 3 elements of 16-byte
-    # alignment gap before each of its 2 trainable parameters.
-    padding = 2 * ((world - 1) + 2 * 3) * 4
+    # Per unit: tail padding to whole 16-byte chunks (at most world*4-1 fp32 elements), and
+    # up to 3 elements of 16-byte alignment gap before each of its 2 trainable parameters.
+    padding = 2 * ((world * 4 - 1) + 2 * 3) * 4
     assert counts["lora_trainable_bytes"] <= counts["lora_rs_bytes"]
     assert counts["lora_rs_bytes"] <= counts["lora_trainable_bytes"] + padding
     assert all(counts["lora_frozen_grads"])

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import flatshard as fs
-from flatshard.api import get_state
+from flatshard.engine.state import get_state
 from parity_models import Block, TinyGPT, _lm_loss, _tokens, train_parity
 from patching import patched_env
 
@@ -37,12 +37,13 @@ def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
 
 def case_buffers_are_reused() -> dict[str, object]:
     _, model = _sharded(layers=5)
-    state = get_state(model)  # white-box: the pool's allocations and buffers
+    # white-box: a spy on the pool's acquire, and the buffers behind flatshard's count
+    state = get_state(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     allocations, gathers, addresses, accounts = [], [], [], []
     for step in range(5):
-        state.stats.reset()
-        before = state.pool.allocations
+        fs.comm_stats(model, reset=True)
+        before = fs.memory_stats(model).pool_allocations
         seen = set()
         original = state.pool.acquire
 
@@ -55,17 +56,18 @@ def case_buffers_are_reused() -> dict[str, object]:
         _lm_loss(model, _tokens(torch.Generator().manual_seed(step), 2)).backward()
         opt.step(), opt.zero_grad()
         del state.pool.acquire
-        allocations.append(state.pool.allocations - before)
+        memory = fs.memory_stats(model)
+        allocations.append(memory.pool_allocations - before)
         held = sum(b.untyped_storage().nbytes() for b in state.gathered_buffers())
-        accounts.append((state.gathered_bytes.current, held, state.gathered_bytes.peak))
-        gathers.append(state.stats.calls["all_gather"])
+        accounts.append((memory.gathered_bytes, held, memory.gathered_peak_bytes))
+        gathers.append(fs.comm_stats(model).calls["all_gather"])
         addresses.append(len(seen))
     return {
         "allocations": allocations,
         "gathers": gathers,
         "buffers_used": addresses,
         "accounts": accounts,
-        "block_bytes": state.units[0].groups[0].padded_numel * 4,
+        "block_bytes": fs.units(model)[0].full_bytes,
     }
 
 
@@ -118,6 +120,7 @@ def case_foreign_saved_tensor_hooks() -> dict[str, list]:
 
 
 def _private_groups(model: torch.nn.Module) -> int:
+    # white-box: the groups moved to their private buffer (the pool's fallback, not reported)
     return sum(g.keep_private for u in get_state(model).units for g in u.groups)
 
 

@@ -14,7 +14,7 @@ import torch
 
 import flatshard as fs
 from checkpoint_routes import ROUTES
-from flatshard.api import get_state
+from flatshard.engine.state import get_state
 from parity_models import TinyGPT, check_parity, train_parity
 
 TORCH_ROUTES = [r for r in ROUTES if not r.startswith("hf_") and r != "none"]
@@ -124,15 +124,15 @@ def case_step_costs(routes: list[str], model_name: str = "tiny", size: tuple = (
     out = {}
     for route in routes:
         model, loss_fn, tokens, mlp = _route_model(route, model_name, *size)
-        state = get_state(model)  # white-box: the buffers to leave out of the count
+        state = get_state(model)  # white-box: the gathered buffers to leave out of the count
         runs: list[int] = []
         for m in model.modules():
             if isinstance(m, mlp):
                 m.register_forward_pre_hook(lambda *_, runs=runs: runs.append(1))
         batch = tokens(torch.Generator().manual_seed(0), 4)
         for _ in range(2):  # the second step runs with the recorded prefetch orders
-            state.stats.reset()
-            state.gathered_bytes.peak = state.gathered_bytes.current
+            fs.comm_stats(model, reset=True)
+            fs.memory_stats(model, reset_peak=True)
             runs.clear()
             with LiveBytes(functools.partial(_gathered_ptrs, state), lambda: 0) as live:
                 loss = loss_fn(model, batch)
@@ -140,11 +140,11 @@ def case_step_costs(routes: list[str], model_name: str = "tiny", size: tuple = (
                 loss.backward()
             model.zero_grad()
         out[route] = {
-            "calls": dict(state.stats.calls),
+            "calls": fs.comm_stats(model).calls,
             "mlp_runs": len(runs),
             "activations": after_forward,
             "peak": live.peak,
-            "gathered_peak": state.gathered_bytes.peak,
+            "gathered_peak": fs.memory_stats(model).gathered_peak_bytes,
         }
     return out
 

@@ -23,23 +23,29 @@ import torch.distributed as dist
 from torch import nn
 
 import flatshard as fs
-from flatshard.api import get_state
 from parity_models import CASES, mesh_for, rel_err
 
 Factory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
-def full_tensor(model: nn.Module, fragment: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def full_tensor(run: Run, fragment: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """The whole parameter-shaped tensor whose fragments (one per shard rank) are the
     ``fragment``-shaped tensors on each rank (gradients, state); every rank gets it."""
-    info = _info_of(model)[id(like)]
+    info = _info_of(run.model)[id(like)]
     full = torch.zeros(info.full_shape.numel(), dtype=fragment.dtype)
     start, end = info.flat_range
     full[start:end] = fragment.detach().reshape(-1)
-    group = get_state(model).topology.shard_group
-    if group is not None:  # disjoint ranges, zeros elsewhere: the sum is exact
-        dist.all_reduce(full, group=group)
+    if run.shard_group is not None:  # disjoint ranges, zeros elsewhere: the sum is exact
+        dist.all_reduce(full, group=run.shard_group)
     return full.view(info.full_shape)
+
+
+def shard_group(strategy: str, mesh) -> dist.ProcessGroup | None:
+    """The ranks ``strategy`` splits each parameter over (``mesh``: what ``fs.shard`` got):
+    none for no_shard, the mesh's "shard" dimension for hybrid_shard, every rank otherwise."""
+    if strategy == "no_shard":
+        return None
+    return mesh["shard"].get_group() if mesh is not None else dist.group.WORLD
 
 
 def _info_of(model: nn.Module) -> dict:
@@ -57,6 +63,7 @@ class Run:
     pairs: list[tuple[nn.Parameter, nn.Parameter]]
     opt: torch.optim.Optimizer
     ref_opt: torch.optim.Optimizer
+    shard_group: dist.ProcessGroup | None  # see ``shard_group``
     grad_err: float = 0.0
 
 
@@ -65,16 +72,16 @@ def build_run(name: str, strategy: str, make: Factory, make_ref: Factory, select
     torch.manual_seed(0)
     ref = case.build()
     model = copy.deepcopy(ref)
-    fs.shard(model, policy=case.policy(), strategy=strategy, mesh=mesh_for(strategy))
+    mesh = mesh_for(strategy)
+    fs.shard(model, policy=case.policy(), strategy=strategy, mesh=mesh)
     plain = dict(ref.named_parameters())
     pairs = [
         (p, plain[n])
         for n, p in model.named_parameters()
         if p.requires_grad and select(fs.full_shape(p))
     ]
-    return Run(
-        name, model, ref, pairs, make([p for p, _ in pairs]), make_ref([r for _, r in pairs])
-    )
+    opts = make([p for p, _ in pairs]), make_ref([r for _, r in pairs])
+    return Run(name, model, ref, pairs, *opts, shard_group(strategy, mesh))
 
 
 def train(run: Run, steps: range, handoff: bool, rows: int | None = None) -> None:
@@ -90,7 +97,7 @@ def train(run: Run, steps: range, handoff: bool, rows: int | None = None) -> Non
             if p.grad is None:
                 assert r.grad is None, "None-ness differs"
                 continue
-            full = full_tensor(run.model, p.grad, p)
+            full = full_tensor(run, p.grad, p)
             run.grad_err = max(run.grad_err, rel_err(full, r.grad))
             if handoff:
                 r.grad.copy_(full)
@@ -104,7 +111,7 @@ def report(run: Run) -> dict:
     return dict(
         grad_err=run.grad_err,
         sd_err=_params_err(run.model, run.ref),
-        state_err=_state_err(run.model, run.opt, run.ref_opt, run.pairs),
+        state_err=_state_err(run),
         empty=sum(1 for p, _ in run.pairs if p.numel() == 0),
     )
 
@@ -134,17 +141,17 @@ def _params_err(model: nn.Module, ref: nn.Module) -> float:
     )
 
 
-def _state_err(model, opt, ref_opt, pairs) -> float:
+def _state_err(run: Run) -> float:
     """Worst relative error of every optimizer state tensor, compared in full shape (every
     rank takes part in the gathers; rank 0 reports)."""
     worst = 0.0
-    for p, r in pairs:
-        mine, theirs = opt.state.get(p, {}), ref_opt.state.get(r, {})
+    for p, r in run.pairs:
+        mine, theirs = run.opt.state.get(p, {}), run.ref_opt.state.get(r, {})
         assert set(mine) == set(theirs), (sorted(mine), sorted(theirs))
         for key, value in theirs.items():
             ours = mine[key]
             if torch.is_tensor(ours) and ours.shape == p.shape and value.dim() > 0:
-                ours = full_tensor(model, ours, p)  # fragment-shaped: gather it
+                ours = full_tensor(run, ours, p)  # fragment-shaped: gather it
             worst = max(
                 worst, rel_err(torch.as_tensor(ours).float(), torch.as_tensor(value).float())
             )

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .engine.state import STATE_ATTR, get_state
+from .engine.buckets import gathered_bytes
+from .engine.state import STATE_ATTR, ShardedState, get_state
 from .engine.unit import ParamState
 
 
@@ -33,6 +34,9 @@ class UnitInfo:
     """Names of the parameters it gathers (tied ones once, by their first name)."""
     numel: int
     """Elements of those parameters, unsharded."""
+    full_bytes: int
+    """Bytes of its full parameters in the compute dtype, padding included: what one gather
+    of it holds, and the size ``fs.Coalesce(unit_bytes=...)`` compares."""
     gathered: bool
     """Its full parameters are allocated (or being gathered) right now."""
     reshard_after_forward: bool
@@ -41,6 +45,14 @@ class UnitInfo:
     part: str = ""
     """"tail" for the root's tail (``fs.shard(split_root=True)``): a second unit over the root
     module; "" otherwise."""
+    lazy: bool = False
+    """The lazy root: released after forward and regathered in backward only when something
+    reads its parameters (a tied head's saved weight); only a root of at least 1 MiB whose
+    tail was split off (``split_root``) is lazy."""
+    bucket: int | None = None
+    """Index of the bucket of coalesced units (``fs.Coalesce``) it shares its all-gather and
+    reduce-scatter with; the members of a bucket report the same index (buckets are numbered
+    from 0). None for a unit that is not coalesced."""
 
 
 def units(model: nn.Module) -> list[UnitInfo]:
@@ -58,9 +70,12 @@ def units(model: nn.Module) -> list[UnitInfo]:
                 module=unit.module,
                 params=tuple(param_names.get(id(s.fragment), "?") for s in specs),
                 numel=sum(s.numel for s in specs),
+                full_bytes=gathered_bytes(unit),
                 gathered=unit.state is not ParamState.SHARDED,
                 reshard_after_forward=unit.reshard_after_forward,
                 part=unit.part,
+                lazy=unit.regather_on_demand,
+                bucket=unit.bucket.index if unit.bucket is not None else None,
             )
         )
     return out
@@ -99,6 +114,13 @@ class MemoryStats:
     """The most ``gathered_bytes`` has been since the last peak reset."""
     pool_allocations: int
     """Pooled gather buffers created so far (constant after the first step in steady state)."""
+    cached_bytes: int = 0
+    """Of ``gathered_bytes``: the storages of buckets of coalesced units that no member uses
+    now, kept for the bucket's next gather (at most two by default, each at most
+    ``Coalesce.bucket_bytes``)."""
+    bucket_storage_allocations: int = 0
+    """Times a bucket of coalesced units allocated fresh memory for its gather so far (a gather
+    into a kept storage does not count; one a step with three buckets, in steady state)."""
 
 
 def memory_stats(model: nn.Module, *, reset_peak: bool = False) -> MemoryStats:
@@ -115,7 +137,21 @@ def memory_stats(model: nn.Module, *, reset_peak: bool = False) -> MemoryStats:
         gathered_bytes=account.current,
         gathered_peak_bytes=account.peak,
         pool_allocations=state.pool.allocations if state.pool is not None else 0,
+        **_bucket_storages(state),
     )
     if reset_peak:
         account.peak = account.current
     return out
+
+
+def _bucket_storages(state: ShardedState) -> dict[str, int]:
+    """``cached_bytes`` and ``bucket_storage_allocations``: a bucket's storage is kept for
+    reuse while it holds memory that none of the bucket's members holds."""
+    cached = allocations = 0
+    for bucket in state.buckets:
+        groups = [g for u in bucket.units for g in u.groups]
+        for storage in bucket.storages:
+            allocations += storage.allocations
+            if storage.allocated and not any(storage.holds(g) for g in groups):
+                cached += storage.nbytes
+    return {"cached_bytes": cached, "bucket_storage_allocations": allocations}

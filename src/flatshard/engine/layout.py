@@ -2,8 +2,9 @@
 
 Pure arithmetic on shapes (no tensors): the parameters are laid end to end, each starting on
 an ``align``-element boundary (16 bytes: GPU kernels pick slower paths for odd offsets; the
-gaps hold zeros), and the end is padded to a multiple of the shard-group size ``W`` (at least
-one element per rank). Rank ``r`` owns elements ``[r*S, (r+1)*S)`` with ``S = padded / W``.
+gaps hold zeros), and the end is padded to a multiple of ``W * align`` (``W``: the shard-group
+size; at least ``align`` elements per rank), so every rank's chunk starts on a 16-byte
+boundary as well. Rank ``r`` owns elements ``[r*S, (r+1)*S)`` with ``S = padded / W``.
 ``FlatGroup`` allocates its buffers from this; the estimator sizes units with ``padded_numel``.
 All chunk arithmetic lives here: which part of which parameter falls in rank ``r``'s chunk
 (``overlap``) serves this rank's places, the per-chunk spans of a reduction from
@@ -35,9 +36,12 @@ def aligned_offsets(numels: list[int], align: int) -> list[int]:
     return [*offsets, position]
 
 
-def padded_numel(total: int, world: int) -> int:
-    """A flat buffer of ``total`` elements padded to a multiple of ``world`` (>= one each)."""
-    return max(world, math.ceil(total / world) * world)
+def padded_numel(total: int, world: int, align: int = 1) -> int:
+    """A flat buffer of ``total`` elements padded so that each of the ``world`` chunks holds a
+    multiple of ``align`` elements (at least ``align``): every rank's chunk then starts on a
+    16-byte boundary too (NCCL's fast paths, foreach kernels, a bucket's rows)."""
+    unit = world * align
+    return max(unit, math.ceil(total / unit) * unit)
 
 
 def overlap(offset: int, numel: int, lo: int, hi: int) -> tuple[int, int]:
@@ -84,7 +88,7 @@ class FlatLayout:
         numels = [math.prod(s) for s in shapes]
         offsets = aligned_offsets(numels, align)
         self.world, self.rank = world, rank
-        self.padded_numel = padded_numel(offsets[-1], world)
+        self.padded_numel = padded_numel(offsets[-1], world, align)
         self.shard_numel = self.padded_numel // world
         lo, hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
         self.places: list[Place] = []

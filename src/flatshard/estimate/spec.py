@@ -264,9 +264,10 @@ class Layout:
         return OPTIMIZER_BYTES[self.optimizer]
 
     def padded(self, numel: int) -> int:
-        """A unit's flat size: padded to a multiple of the shard group (at least one each),
-        as ``engine.layout`` pads it (the 16-byte alignment gaps are left out: < 16 B each)."""
-        return padded_numel(numel, self.shard_world)
+        """A unit's flat size: padded so that each rank's chunk is a multiple of 16 bytes, as
+        ``engine.layout`` pads it (the 16-byte gaps between parameters are left out: < 16 B
+        each)."""
+        return padded_numel(numel, self.shard_world, 16 // self.precision.param)
 
 
 @dataclass(frozen=True)
