@@ -463,3 +463,16 @@ def test_every_rank_chunk_starts_on_16_bytes(world, dtype):
         layout = FlatLayout([torch.Size(s) for s in shapes], world=world, rank=0, align=align)
         chunk_bytes = layout.shard_numel * dtype.itemsize
         assert chunk_bytes % 16 == 0, (shapes, world, dtype, layout.shard_numel)
+
+
+def test_the_current_cuda_device_must_be_the_processs_own():
+    """torchrun starts every process on cuda:0: fs.shard names the fix (checked without a GPU:
+    the check is a function of the current device, LOCAL_RANK and the device count)."""
+    from flatshard.engine.mesh import check_cuda_device
+
+    check_cuda_device(3, "3", 8)  # set_device(LOCAL_RANK) was called
+    check_cuda_device(1, "9", 8)  # a second node's numbering wraps
+    check_cuda_device(0, None, 8)  # not launched by torchrun: nothing to compare with
+    check_cuda_device(0, "3", 1)  # one GPU per process (CUDA_VISIBLE_DEVICES)
+    with pytest.raises(ValueError, match=r"cuda:0.*LOCAL_RANK=3.*torch.cuda.set_device"):
+        check_cuda_device(0, "3", 8)

@@ -21,6 +21,7 @@ lowest global rank of the mesh.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -148,5 +149,23 @@ def compute_device(group: dist.ProcessGroup) -> torch.device:
     """CUDA (this process's current device) when the group talks NCCL, else CPU."""
     backend = dist.get_backend(group)
     if "nccl" in str(backend).lower() and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
+        current = torch.cuda.current_device()
+        check_cuda_device(current, os.environ.get("LOCAL_RANK"), torch.cuda.device_count())
+        return torch.device("cuda", current)
     return torch.device("cpu")
+
+
+def check_cuda_device(current: int, local_rank: str | None, device_count: int) -> None:
+    """The current CUDA device must be this process's own: torchrun starts every process on
+    device 0, and NCCL then fails later with "Duplicate GPU detected" (or, worse, all ranks of
+    a node share one GPU). ``ValueError`` naming the fix when it is not."""
+    if local_rank is None or device_count <= 1:
+        return
+    expected = int(local_rank) % device_count
+    if current != expected:
+        raise ValueError(
+            f"fs.shard: the current CUDA device is cuda:{current}, but this process is "
+            f"LOCAL_RANK={local_rank} of a machine with {device_count} GPUs (expected "
+            f"cuda:{expected}); call torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) "
+            "before init_process_group and fs.shard"
+        )
