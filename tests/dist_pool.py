@@ -26,7 +26,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, path: list[str], jobs, results) -> None:
+def _worker(
+    rank: int, world: int, port: int, path: list[str], jobs, results, backend="gloo", setup=None
+) -> None:
     os.environ.update(
         OMP_NUM_THREADS="1",
         RANK=str(rank),
@@ -43,8 +45,10 @@ def _worker(rank: int, world: int, port: int, path: list[str], jobs, results) ->
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if setup is not None:  # a module whose import registers ``backend`` (a test backend)
+        importlib.import_module(setup)
     dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=CASE_TIMEOUT_S)
+        backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=CASE_TIMEOUT_S)
     )
     while (job := jobs.get()) is not None:
         module_name, fn_name, args = job
@@ -59,8 +63,9 @@ def _worker(rank: int, world: int, port: int, path: list[str], jobs, results) ->
 
 
 class DistPool:
-    def __init__(self, world: int) -> None:
+    def __init__(self, world: int, backend: str = "gloo", setup: str | None = None) -> None:
         self.world = world
+        self.backend, self.setup = backend, setup  # setup: imported first, registers backend
         self._start()
 
     def _start(self) -> None:
@@ -73,6 +78,7 @@ class DistPool:
                 target=_worker,
                 daemon=True,
                 args=(r, self.world, port, list(sys.path), self._jobs[r], self._results),
+                kwargs={"backend": self.backend, "setup": self.setup},
             )
             for r in range(self.world)
         ]

@@ -336,8 +336,13 @@ def named_param_groups(model: nn.Module) -> list[dict]:
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    scale = b.abs().max().item() if b.numel() else 0.0
-    return (a - b).abs().max().item() / max(scale, 1e-12) if b.numel() else 0.0
+    """Largest difference relative to ``b``'s largest element; ``inf`` when either holds a
+    NaN (``max(worst, nan)`` would otherwise keep ``worst`` and pass a NaN run)."""
+    if not b.numel():
+        return 0.0
+    scale = b.abs().max().item()
+    err = (a - b).abs().max().item() / max(scale, 1e-12)
+    return err if err == err else float("inf")
 
 
 # [Note: the noise floor]

@@ -346,11 +346,17 @@ def _resolve_groups(group: Any) -> list[dist.ProcessGroup]:
 
 
 def _flag_device(optimizer: torch.optim.Optimizer) -> torch.device:
-    """Where the flag lives: NCCL reduces GPU tensors only (even with parameters offloaded to
-    the CPU, or none on this rank); otherwise the parameters' device."""
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+    """Where the flag lives: the compute device of the sharded model the optimizer steps
+    (collectives reduce device tensors, even with the parameters offloaded to the host or
+    none on this rank); for plain parameters, theirs."""
+    from .params import fragment_tag
+
+    first = None
     for group in optimizer.param_groups:
         for p in group["params"]:
-            return p.device
-    return torch.device("cpu")
+            tag = fragment_tag(p)
+            state = tag.state() if tag is not None else None
+            if state is not None:
+                return state.device
+            first = first or p.device
+    return first or torch.device("cpu")

@@ -40,3 +40,24 @@ def pin_if_useful(tensor: torch.Tensor, compute: torch.device) -> torch.Tensor:
     if compute.type == "cuda" and tensor.device.type == "cpu":
         return tensor.pin_memory()
     return tensor
+
+
+def copy_to_host(tensor: torch.Tensor, host: torch.device) -> torch.Tensor:
+    """``tensor`` in host memory. From a CUDA device the copy is asynchronous, into pinned
+    memory: the caller must ``wait_for_host_copies`` before the host reads the result (the
+    end of backward does, once for all of them, so the copies overlap each other and the
+    rest of the reduction instead of draining the device one group at a time)."""
+    if tensor.device.type != "cuda":
+        return tensor.to(host)
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, device=host, pin_memory=True)
+    out.copy_(tensor, non_blocking=True)
+    return out
+
+
+def wait_for_host_copies(device: torch.device) -> None:
+    """Block the host until the copies ``copy_to_host`` queued on ``device`` are done (an
+    event after them on the current stream; nothing to wait for off CUDA)."""
+    if device.type == "cuda":
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        event.synchronize()

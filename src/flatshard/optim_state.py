@@ -36,19 +36,23 @@ def _is_fragment_shaped(value: object, fragment: torch.Tensor) -> bool:
     return torch.is_tensor(value) and value.dim() == 1 and value.shape == fragment.shape
 
 
-def _fragment_keys(optimizer: torch.optim.Optimizer, group, process_group) -> list[str]:
-    """State keys shaped like the fragments of ``group``, the union over its shard group."""
-    keys = {
-        key
-        for spec in group.specs
-        for key, value in optimizer.state.get(spec.fragment, {}).items()
-        if _is_fragment_shaped(value, spec.fragment)
-    }
+def _fragment_keys(
+    optimizer: torch.optim.Optimizer, group, process_group
+) -> tuple[list[str], set[int]]:
+    """State keys shaped like the fragments of ``group``, and the indices of the parameters
+    that have any state: each the union over the shard group (a parameter the optimizer never
+    stepped has no state anywhere, and must get none: it shares the group's buffers only)."""
+    keys, stepped = set(), set()
+    for index, spec in enumerate(group.specs):
+        state = optimizer.state.get(spec.fragment, {})
+        stepped.update([index] if state else [])
+        keys.update(k for k, v in state.items() if _is_fragment_shaped(v, spec.fragment))
     if process_group is not None:
-        every: list[list[str] | None] = [None] * dist.get_world_size(process_group)
-        dist.all_gather_object(every, sorted(keys), group=process_group)
-        keys = set().union(*[set(k or ()) for k in every])
-    return sorted(keys)
+        every: list[tuple | None] = [None] * dist.get_world_size(process_group)
+        dist.all_gather_object(every, (sorted(keys), sorted(stepped)), group=process_group)
+        keys = set().union(*[set(k) for k, _ in every])
+        stepped = set().union(*[set(s) for _, s in every])
+    return sorted(keys), stepped
 
 
 def _groups(model: nn.Module) -> Iterator[tuple[object, object]]:
@@ -64,9 +68,12 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     names, timeout = _names(model), get_state(model).timeout
     out: dict[str, dict] = {}
     for unit, group in _groups(model):
-        for key in _fragment_keys(optimizer, group, unit.process_group):
+        keys, stepped = _fragment_keys(optimizer, group, unit.process_group)
+        for key in keys:
             full = _gather(optimizer, group, key, unit, timeout)
-            for spec in group.specs:
+            for index, spec in enumerate(group.specs):
+                if index not in stepped:
+                    continue
                 view = full[spec.offset : spec.offset + spec.numel].view(spec.shape)
                 out.setdefault(names[id(spec.fragment)], {})[key] = view.to("cpu", copy=True)
     if not get_state(model).topology.is_mesh_first:

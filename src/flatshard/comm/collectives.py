@@ -66,7 +66,10 @@ class PendingWork:
             self._run_then(timeout)
             return
         try:
-            self.work.wait(timeout)
+            if _bounded_wait(self.work):
+                self.work.wait(timeout)
+            else:  # see _bounded_wait: the process group's own timeout catches a hang here
+                self.work.wait()
         except RuntimeError as err:
             rank = dist.get_rank() if dist.is_initialized() else 0
             raise RuntimeError(
@@ -86,6 +89,43 @@ class PendingWork:
         if self.then is not None:
             then, self.then = self.then, None
             then(timeout)
+
+
+def _bounded_wait(work: object) -> bool:
+    """Pass flatshard's timeout to ``work.wait``? Only on Gloo (the default group's backend,
+    which flatshard's groups are made from; gloo_p2p's works are Gloo by construction), whose
+    wait blocks the host anyway. On ProcessGroupNCCL any timeout makes the host poll until the
+    collective has *completed* on the GPU (no CPU run-ahead), while ``wait()`` only makes the
+    current stream wait for it. Hang detection there stays with the process group's own
+    timeout and watchdog (``init_process_group(timeout=)``), not with ``FLATSHARD_TIMEOUT_S``."""
+    return isinstance(work, gloo_p2p.P2PWork) or dist.get_backend() == "gloo"
+
+
+def waits_on_host(group: dist.ProcessGroup) -> bool:
+    """Does waiting on a collective of ``group`` block the host until it completes (Gloo),
+    rather than only ordering the current device stream after it (NCCL)?"""
+    return dist.get_backend(group) == "gloo"
+
+
+def then_issue(
+    work: PendingWork,
+    issue: Callable[[], PendingWork],
+    group: dist.ProcessGroup,
+    timeout: datetime.timedelta,
+) -> None:
+    """Issue the collective ``issue()`` (on ``group``) once ``work`` has completed; ``work``
+    becomes the handle of both. Where a wait blocks the host (Gloo) that happens at
+    ``work``'s wait, so that nothing blocks now. On a device backend (NCCL) it happens now:
+    the wait only makes the current stream wait for ``work``, so the second collective is
+    queued right behind the first and overlaps whatever the host issues next (hybrid_shard's
+    all-reduce across replicas was exposed when issued at the wait)."""
+    if waits_on_host(group):
+        work.add_then(lambda t: issue().wait(t))
+        return
+    work.wait(timeout)
+    follow = issue()
+    work.work, work.op, work.keep_alive = follow.work, follow.op, follow.keep_alive
+    work.then = follow.then
 
 
 def all_gather_into(

@@ -62,12 +62,14 @@ class Bucket:
         pool: GatherPool | None,
         account: GatheredBytes,
         cache: StorageCache | None = None,
+        timeout=None,
     ) -> None:
         self.index = index
         self.units = units
         self.topology = topology
         self.stats = stats
         self.pool = pool  # lends the staging buffers (never a member's own buffer)
+        self.timeout = timeout  # bounds the waits a reduction may chain (see reduce.py)
         self.label = f"bucket {index} (units {', '.join(str(u.index) for u in units)})"
         self._grads: dict[torch.dtype, tuple[torch.Tensor, list]] = {}  # see add_grads
         self._reported: set[int] = set()
@@ -152,7 +154,8 @@ class Bucket:
         return [p for chunked, entries in grads.values() for p in self._reduce(chunked, entries)]
 
     def _reduce(self, chunked: torch.Tensor, entries: list) -> list[PendingReduce]:
-        pending, work = reduce_chunked(chunked, entries, self.topology, self.stats, self.label)
+        topo, stats, label = self.topology, self.stats, self.label
+        pending, work = reduce_chunked(chunked, entries, topo, stats, label, self.timeout)
         work.add_then(lambda _: self._release(chunked))
         return pending
 

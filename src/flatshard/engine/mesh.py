@@ -40,6 +40,9 @@ class Topology:
     # Every rank of the mesh, even when that is this rank alone (a real group, never None:
     # DCP given no group would fall back to the default group).
     mesh_group: dist.ProcessGroup
+    # ``groups`` as groups that reduce host tensors (the same ones on Gloo; Gloo groups over
+    # the same ranks under NCCL): host-side agreements never drain the device.
+    host_groups: tuple[dist.ProcessGroup, ...] = ()
 
     @property
     def is_mesh_first(self) -> bool:
@@ -81,7 +84,23 @@ def resolve_topology(strategy: ShardingStrategy, mesh) -> Topology:
         shard_world=dist.get_world_size(shard) if shard is not None else 1,
         device=device,
         mesh_group=whole,
+        host_groups=tuple(_host_group(g) for g in (shard, replicate) if g is not None),
     )
+
+
+def _host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A group over ``group``'s ranks that reduces CPU tensors: itself when its backend has
+    Gloo (``gloo``, ``cpu:gloo,cuda:nccl``), else a Gloo group made by those ranks alone
+    (kept per rank set, like the 2-D mesh groups)."""
+    if "gloo" in str(dist.get_backend(group)):
+        return group
+    ranks = tuple(dist.get_process_group_ranks(group))
+    key = (id(dist.group.WORLD), ranks, "gloo")
+    if key not in _MESH_GROUPS:
+        _MESH_GROUPS[key] = dist.new_group(
+            list(ranks), backend="gloo", use_local_synchronization=True
+        )
+    return _MESH_GROUPS[key]
 
 
 def _mesh_groups(mesh, strategy: ShardingStrategy, ndim: int) -> list[dist.ProcessGroup]:
@@ -108,7 +127,7 @@ def _whole_mesh_group(mesh) -> dist.ProcessGroup:
 
 # Groups over the ranks of 2-D meshes, kept so that sharding many models over one mesh makes
 # one group (keyed by the default group too: a new init_process_group starts afresh).
-_MESH_GROUPS: dict[tuple[int, tuple[int, ...]], dist.ProcessGroup] = {}
+_MESH_GROUPS: dict[tuple, dist.ProcessGroup] = {}
 
 
 def _one_group(mesh, strategy: ShardingStrategy) -> dist.ProcessGroup:

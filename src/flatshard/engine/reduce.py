@@ -35,7 +35,9 @@ from ..comm.collectives import (
     reduce_scatter_pieces_sum,
     reduce_scatter_sum,
     sends_from_pieces,
+    then_issue,
 )
+from ..offload import copy_to_host
 from ..precision import sum_scaling
 from .flat_group import FlatGroup
 from .layout import chunk_spans
@@ -81,16 +83,16 @@ def reduces_pieces(group: FlatGroup, topo: Topology, stats: CommStats) -> bool:
 
 
 def reduce_group(
-    group: FlatGroup, grad: Grad, used: torch.Tensor, topo: Topology, stats: CommStats
+    group: FlatGroup, grad: Grad, used: torch.Tensor, topo: Topology, stats: CommStats, timeout
 ) -> PendingReduce:
     """Start averaging one group's gradient over every data-parallel rank: a bucket of one
     (its padded flat gradient is already laid out in chunks), or one of the two shortcuts."""
     if topo.shard_group is None:  # no_shard: the flat gradient is the shard's gradient
         return _replicated(group, grad, used, topo, stats)
     if isinstance(grad, tuple):
-        return _from_pieces(group, grad, used, topo, stats)
+        return _from_pieces(group, grad, used, topo, stats, timeout)
     chunked = grad.view(topo.shard_world, group.shard_numel)
-    return reduce_chunked(chunked, [(group, 0, used)], topo, stats, group.label)[0][0]
+    return reduce_chunked(chunked, [(group, 0, used)], topo, stats, group.label, timeout)[0][0]
 
 
 def reduce_chunked(
@@ -99,6 +101,7 @@ def reduce_chunked(
     topo: Topology,
     stats: CommStats,
     label: str,
+    timeout,
 ) -> tuple[list[PendingReduce], PendingWork]:
     """Start averaging ``chunked`` (``[world, total]``: row ``r`` holds chunk ``r`` of every
     member's flat gradient, one reduce dtype) over every data-parallel rank. ``members``:
@@ -108,7 +111,7 @@ def reduce_chunked(
     out = torch.empty(chunked.shape[1], dtype=chunked.dtype, device=chunked.device)
     flat = divided(chunked.view(-1), pre)
     work = reduce_scatter_sum(out, flat, topo.shard_group, stats, label)
-    _then_replicas_and_divide(work, out, post, topo, stats, label)
+    _then_replicas_and_divide(work, out, post, topo, stats, label, timeout)
     pending = [
         PendingReduce(group, out[offset : offset + group.shard_numel], used, work)
         for group, offset, used in members
@@ -127,7 +130,9 @@ def _replicated(group: FlatGroup, grad: Grad, used, topo: Topology, stats) -> Pe
     return PendingReduce(group, grad_shard, used, work)
 
 
-def _from_pieces(group: FlatGroup, grads: tuple, used, topo: Topology, stats) -> PendingReduce:
+def _from_pieces(
+    group: FlatGroup, grads: tuple, used, topo: Topology, stats, timeout
+) -> PendingReduce:
     """The per-parameter gradients of one group (``reduces_pieces``: pre == 1)."""
     label = group.label
     if group.chunk_spans is None:
@@ -138,17 +143,18 @@ def _from_pieces(group: FlatGroup, grads: tuple, used, topo: Topology, stats) ->
     work = reduce_scatter_pieces_sum(
         out, grads, group.chunk_spans, group.padded_numel, topo.shard_group, stats, label
     )
-    _then_replicas_and_divide(work, out, post, topo, stats, label)
+    _then_replicas_and_divide(work, out, post, topo, stats, label, timeout)
     return PendingReduce(group, out, used, work)
 
 
 def _then_replicas_and_divide(
-    work: PendingWork, out: torch.Tensor, post: float, topo: Topology, stats, label: str
+    work: PendingWork, out: torch.Tensor, post: float, topo: Topology, stats, label: str, timeout
 ) -> None:
-    """Once the reduce-scatter is done: (hybrid) sum ``out`` over the replicas, then divide."""
+    """Once the reduce-scatter is done: (hybrid) sum ``out`` over the replicas (issued as
+    soon as the transport allows, see ``then_issue``), then divide."""
     if topo.replicate_group is not None:
         replicate = topo.replicate_group
-        work.add_then(lambda t: all_reduce_sum(out, replicate, stats, label).wait(t))
+        then_issue(work, lambda: all_reduce_sum(out, replicate, stats, label), replicate, timeout)
     work.add_then(lambda _: out.div_(post) if post != 1.0 else None)
 
 
@@ -229,9 +235,9 @@ def assign_grads(
     group: FlatGroup, grad_shard: torch.Tensor, used: torch.Tensor, stats: CommStats
 ) -> None:
     """Give each used fragment its slice of ``grad_shard``; unused ones keep ``.grad``."""
-    if group.offloaded:  # back to host memory, synchronously: the optimizer reads it next
+    if group.offloaded:  # back to host memory (async; the end of backward waits for it)
         stats.record("offload_d2h", grad_shard)
-        grad_shard = grad_shard.to(group.storage)
+        grad_shard = copy_to_host(grad_shard, group.storage)
     for spec, is_used in zip(group.specs, used.tolist(), strict=True):
         if not is_used:
             continue

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ..coalesce import Coalesce
 from ..comm.collectives import CommStats, all_reduce
+from ..offload import wait_for_host_copies
 from ..prefetch import Prefetch
 from ..switches import Switches
 from .bucket_storage import StorageCache
@@ -138,7 +139,14 @@ class ShardedState:
         self.storage_cache = StorageCache(self.buffers_kept, self.coalesce.bucket_bytes)
         self.buckets = [
             Bucket(
-                i, b, self.topology, self.stats, self.pool, self.gathered_bytes, self.storage_cache
+                i,
+                b,
+                self.topology,
+                self.stats,
+                self.pool,
+                self.gathered_bytes,
+                self.storage_cache,
+                self.timeout,
             )
             for i, b in enumerate(buckets)
         ]
@@ -212,7 +220,7 @@ class ShardedState:
         if unit.bucket is not None:
             self._in_flight(unit.bucket.add_grads(unit))
         else:
-            self._in_flight(unit.start_reduce())
+            self._in_flight(unit.start_reduce(self.timeout))
 
     def _in_flight(self, pending: list[PendingReduce]) -> None:
         if not pending:
@@ -248,6 +256,7 @@ class ShardedState:
             used = self._agree_on_usage([r.used for r in reduced])
             for r, used_globally in zip(reduced, used, strict=True):
                 r.assign(used_globally, self.stats)
+            wait_for_host_copies(self.device)  # offloaded gradients: the optimizer reads next
         self.reshard_all()
         if self.forward_order.frozen is None:
             self.forward_order.freeze()
@@ -255,11 +264,13 @@ class ShardedState:
         self.backward_order.freeze()
 
     def _agree_on_usage(self, masks: list[torch.Tensor]) -> list[torch.Tensor]:
-        """A parameter used on any rank gets a gradient on every rank (one small all-reduce)."""
-        flags = torch.cat(masks).to(device=self.device, dtype=torch.int32)
-        for group in self.topology.groups:  # shard then replicate: together every rank
+        """A parameter used on any rank gets a gradient on every rank (one small all-reduce).
+        The flags are host data and stay on the host (``Topology.host_groups``: Gloo): on GPUs
+        a device all-reduce read back with ``.cpu()`` drained the device every step."""
+        flags = torch.cat(masks).to(dtype=torch.int32)
+        for group in self.topology.host_groups:  # shard then replicate: every rank
             all_reduce(flags, group, self.stats, op=dist.ReduceOp.MAX, name="usage_all_reduce")
-        return list(flags.cpu().split([len(m) for m in masks]))
+        return list(flags.split([len(m) for m in masks]))
 
 
 STATE_ATTR = "_flatshard_state"  # where fs.shard keeps a model's ShardedState

@@ -201,12 +201,12 @@ class Unit:
             for i, g in enumerate(mine):
                 used[i] = used[i] or g is not None
 
-    def start_reduce(self) -> list[PendingReduce]:
+    def start_reduce(self, timeout) -> list[PendingReduce]:
         """Start averaging each trainable group's gradient over the data-parallel ranks, each
         group a bucket of one (see reduce.py; zeros for a group no call used: every rank must
         issue the same collectives)."""
         topo, stats = self.topology, self.stats
-        return [reduce_group(*member, topo, stats) for member in self.take_flat_grads()]
+        return [reduce_group(*m, topo, stats, timeout) for m in self.take_flat_grads()]
 
     def take_flat_grads(self) -> list[tuple[FlatGroup, torch.Tensor | tuple, torch.Tensor]]:
         """(group, flat gradient, used mask) per trainable group, zeros for a group no call
