@@ -9,7 +9,9 @@ all-gathers in place from there (as FSDP2 does: no separate send buffer).
 - Several groups (a bucket, buckets.py): the buffer is a staging buffer whose row ``r`` is the
   concatenation of every group's chunk ``r``; the wait copies each group's column of rows into
   its ``full`` buffer, then gives the staging buffer back.
-Either way the caller gets one ``PendingWork``; the ``full`` buffers are allocated first.
+Either way the caller gets one ``PendingWork``; the ``full`` buffers are allocated first, on
+the compute stream, and on CUDA the rest runs on the gather side stream (see [Note: streams
+and buffer lifetimes] in streams.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from ..comm.collectives import CommStats, PendingWork, all_gather_into
 from .flat_group import FlatGroup
 from .mesh import Topology
+from .streams import on_side_stream
 
 # (numel, dtype) -> a scratch buffer; and its way back (buckets borrow from the gather pool)
 Borrow = Callable[[int, torch.dtype], torch.Tensor]
@@ -43,12 +46,13 @@ def start_gather(
     assert scratch is not None, "several groups gather through a staging buffer"
     borrow, give_back = scratch
     world, total = topo.shard_world, sum(g.shard_numel for g in groups)
-    staging = borrow(world * total, groups[0].compute_dtype)
+    staging = borrow(world * total, groups[0].compute_dtype)  # on the compute stream (rule 1)
     own, offset = staging.view(world, total)[topo.shard_rank], 0
-    for g in groups:
-        write_send_shard(g, own[offset : offset + g.shard_numel], stats)
-        offset += g.shard_numel
-    work = all_gather_into(staging, own, topo.shard_group, stats, label)
+    with on_side_stream(topo.side_stream("gather")):
+        for g in groups:
+            write_send_shard(g, own[offset : offset + g.shard_numel], stats)
+            offset += g.shard_numel
+        work = all_gather_into(staging, own, topo.shard_group, stats, label)
 
     def copy_out(_timeout) -> None:
         rows, offset = staging.view(world, -1), 0
@@ -67,8 +71,9 @@ def _gather_one(group: FlatGroup, topo: Topology, stats: CommStats, label: str) 
     if topo.shard_group is None:  # a group of one: the shard is the whole buffer
         return all_gather_into(full, send_shard(group, stats), None, stats, label)
     own = full.view(group.world, group.shard_numel)[group.rank]
-    write_send_shard(group, own, stats)
-    return all_gather_into(full, own, topo.shard_group, stats, label)
+    with on_side_stream(topo.side_stream("gather")):
+        write_send_shard(group, own, stats)
+        return all_gather_into(full, own, topo.shard_group, stats, label)
 
 
 def write_send_shard(group: FlatGroup, dest: torch.Tensor, stats: CommStats) -> None:

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .strategy import STRATEGIES, MeshRole, ShardingStrategy
+from .streams import CommStreams, comm_streams
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,12 @@ class Topology:
     # ``groups`` as groups that reduce host tensors (the same ones on Gloo; Gloo groups over
     # the same ranks under NCCL): host-side agreements never drain the device.
     host_groups: tuple[dist.ProcessGroup, ...] = ()
+    # CUDA only: the side streams gathers and reductions are issued from (engine/streams.py).
+    streams: CommStreams | None = None
+
+    def side_stream(self, kind: str) -> torch.cuda.Stream | None:
+        """The ``"gather"`` or ``"reduce"`` side stream, or None (CPU: no streams)."""
+        return getattr(self.streams, kind) if self.streams is not None else None
 
     @property
     def is_mesh_first(self) -> bool:
@@ -85,6 +92,7 @@ def resolve_topology(strategy: ShardingStrategy, mesh) -> Topology:
         device=device,
         mesh_group=whole,
         host_groups=tuple(_host_group(g) for g in (shard, replicate) if g is not None),
+        streams=comm_streams(device),
     )
 
 

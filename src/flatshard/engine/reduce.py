@@ -42,6 +42,7 @@ from ..precision import sum_scaling
 from .flat_group import FlatGroup
 from .layout import chunk_spans
 from .mesh import Topology
+from .streams import on_side_stream
 
 PIECES_MIN_BYTES = 1 << 20  # see reduces_pieces
 Grad = torch.Tensor | tuple  # a padded flat gradient, or per-parameter ones (None: unused)
@@ -108,10 +109,11 @@ def reduce_chunked(
     (group, its column offset, its used mask). One ``PendingReduce`` per member, sharing the
     returned work (on which the caller may chain the release of ``chunked``)."""
     pre, post = sum_scaling(chunked.dtype, data_parallel_world(topo))
-    out = torch.empty(chunked.shape[1], dtype=chunked.dtype, device=chunked.device)
-    flat = divided(chunked.view(-1), pre)
-    work = reduce_scatter_sum(out, flat, topo.shard_group, stats, label)
-    _then_replicas_and_divide(work, out, post, topo, stats, label, timeout)
+    out = torch.empty(chunked.shape[1], dtype=chunked.dtype, device=chunked.device)  # rule 1
+    with on_side_stream(topo.side_stream("reduce")):  # see streams.py
+        flat = divided(chunked.view(-1), pre)
+        work = reduce_scatter_sum(out, flat, topo.shard_group, stats, label)
+        _then_replicas_and_divide(work, out, post, topo, stats, label, timeout)
     pending = [
         PendingReduce(group, out[offset : offset + group.shard_numel], used, work)
         for group, offset, used in members
@@ -123,9 +125,13 @@ def _replicated(group: FlatGroup, grad: Grad, used, topo: Topology, stats) -> Pe
     assert isinstance(grad, torch.Tensor)
     label = group.label
     pre, post = sum_scaling(group.reduce_dtype, data_parallel_world(topo))
-    grad_shard, work = divided(grad, pre), PendingWork(None, "none")
-    if topo.replicate_group is not None:
-        work = all_reduce_sum(grad_shard, topo.replicate_group, stats, label)
+    # On the side stream only with a collective to wait for (the wait orders the compute
+    # stream after it; see streams.py)
+    side = topo.side_stream("reduce") if topo.replicate_group is not None else None
+    with on_side_stream(side):
+        grad_shard, work = divided(grad, pre), PendingWork(None, "none")
+        if topo.replicate_group is not None:
+            work = all_reduce_sum(grad_shard, topo.replicate_group, stats, label)
     work.add_then(lambda _: grad_shard.div_(post) if post != 1.0 else None)
     return PendingReduce(group, grad_shard, used, work)
 

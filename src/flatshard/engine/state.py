@@ -84,6 +84,7 @@ class ShardedState:
         self.max_inflight_reduces = max_inflight_reduces
         self._inflight: deque[list[PendingReduce]] = deque()  # one entry per reduction
         self.coalesce = coalesce if coalesce is not None else Coalesce(unit_bytes=0)
+        self.offloaded = any(g.offloaded for u in units for g in u.groups)
         self.root = root
         self.buckets: list[Bucket] = []
         self.storage_cache: StorageCache | None = None  # made with the buckets
@@ -256,7 +257,8 @@ class ShardedState:
             used = self._agree_on_usage([r.used for r in reduced])
             for r, used_globally in zip(reduced, used, strict=True):
                 r.assign(used_globally, self.stats)
-            wait_for_host_copies(self.device)  # offloaded gradients: the optimizer reads next
+            if self.offloaded:  # the optimizer reads the gradients' host copies next
+                wait_for_host_copies(self.device)
         self.reshard_all()
         if self.forward_order.frozen is None:
             self.forward_order.freeze()
