@@ -1,20 +1,23 @@
-"""Step time of sharded training with eager vs ``torch.compile``-d block compute, interleaved.
+"""Step time of compiled flatshard vs eager flatshard vs compiled FSDP2, interleaved.
 
     OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=65536 torchrun --nproc-per-node 2 \\
         bench/bench_compile.py [--steps 12] [--model PRESET] [--backend inductor] \\
-        [--modes eager,blocks,local,local_blocks] [--json OUT.json]
+        [--modes eager,blocks,fsdp2_blocks] [--json OUT.json] [--quick]
 
 Modes (every model from the same seed, trained side by side on the same batches):
-  eager         ``fs.shard(model, policy=by_type(Block))``
-  blocks        the same, then ``block.forward = torch.compile(block.forward)`` for every block
-                (flatshard's hooks stay eager on ``block.__call__``: the supported composition)
-  model         the same as eager, then ``torch.compile(model)`` (graph breaks in every hook)
+  eager         flatshard: ``fs.shard(model, policy=by_type(Block))``
+  blocks        flatshard, torchtitan's order: ``block.compile(fullgraph=True)`` on every block,
+                then ``fs.shard`` (zero graph breaks: the hooks are never traced)
+  model         flatshard, then ``torch.compile(model)`` (graph breaks at the unit boundaries)
+  fsdp2         torch's FSDP2: ``fully_shard`` on every block, then on the root
+  fsdp2_blocks  FSDP2, torchtitan's order: ``block.compile(fullgraph=True)``, then ``fully_shard``
   local         the plain model on the rank's batch, no communication
-  local_blocks  the plain model with compiled block forwards (the compute-only gain)
+  local_blocks  the plain model with compiled blocks (the compute-only gain)
 Default model: the anchor GPT of bench_step.py (D=384, L=6, V=8192); ``--model small`` etc. use
 the reference GPT. The harness (barrier, slowest rank, rotated order, first rounds discarded) is
 :mod:`flatshard.bench`'s; the first step of each mode (which compiles) runs before the rounds and
-is reported as ``first_step_s``. See docs/performance.md, "torch.compile".
+is reported as ``first_step_s``, with the graph breaks and graphs Dynamo reported during it.
+``--quick``: a tiny model, 4 rounds, ``aot_eager`` (the smoke test). See docs/compile.md.
 """
 
 from __future__ import annotations
@@ -32,8 +35,16 @@ import flatshard as fs
 from flatshard.bench import WARMUP, AnchorBlock, AnchorGPT, Runner, median, run_rounds, train_step
 from flatshard.comm.shutdown import end_process_group
 
-MODES = ("eager", "blocks", "model", "local", "local_blocks")
-PAIRS = (("blocks", "eager"), ("model", "eager"), ("local_blocks", "local"), ("eager", "local"))
+MODES = ("eager", "blocks", "model", "fsdp2", "fsdp2_blocks", "local", "local_blocks")
+PAIRS = (
+    ("blocks", "eager"),
+    ("blocks", "fsdp2_blocks"),
+    ("model", "eager"),
+    ("eager", "fsdp2"),
+    ("fsdp2_blocks", "fsdp2"),
+    ("local_blocks", "local"),
+)
+QUICK = {"d": 32, "layers": 2, "heads": 2, "vocab": 64, "batch": 1, "seq": 16, "steps": 4}
 
 
 def build_model(args: argparse.Namespace) -> tuple[nn.Module, type[nn.Module]]:
@@ -47,22 +58,30 @@ def build_model(args: argparse.Namespace) -> tuple[nn.Module, type[nn.Module]]:
 
 
 def compile_blocks(model: nn.Module, block: type[nn.Module], backend: str) -> int:
-    """Compile the forward of every ``block`` instance in place; returns how many."""
+    """``block.compile(fullgraph=True)`` on every ``block`` instance, in place (names stay);
+    returns how many."""
     blocks = [m for m in model.modules() if isinstance(m, block)]
     for m in blocks:
-        m.forward = torch.compile(m.forward, backend=backend)
+        m.compile(fullgraph=True, backend=backend)
     return len(blocks)
 
 
 def build(mode: str, args: argparse.Namespace) -> Runner:
     model, block = build_model(args)
-    if not mode.startswith("local"):
-        model = fs.shard(model, policy=fs.wrap.by_type(block))
-    if mode.endswith("blocks"):
+    if mode.endswith("blocks"):  # before sharding: torchtitan's order
         compile_blocks(model, block, args.backend)
+    if mode in ("eager", "blocks", "model"):
+        model = fs.shard(model, policy=fs.wrap.by_type(block))
+    elif mode.startswith("fsdp2"):
+        from torch.distributed.fsdp import fully_shard
+
+        for m in [m for m in model.modules() if isinstance(m, block)]:
+            fully_shard(m)
+        fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if mode == "model":
         model = torch.compile(model, backend=args.backend)
-    return Runner(mode, model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    return Runner(mode, model, opt)
 
 
 def vocab(args: argparse.Namespace) -> int:
@@ -73,7 +92,27 @@ def vocab(args: argparse.Namespace) -> int:
     return args.vocab
 
 
-def summarize(runners: list[Runner], first: dict[str, float], args: argparse.Namespace) -> dict:
+def first_steps(runners: list[Runner], x: torch.Tensor) -> dict[str, dict]:
+    """Each mode's first step (it compiles), outside the timed rounds: its seconds, and the
+    graph breaks and graphs Dynamo reported meanwhile."""
+    from torch._dynamo.utils import counters
+
+    first: dict[str, dict] = {}
+    for r in runners:
+        breaks0 = sum(counters["graph_break"].values())
+        graphs0 = counters["stats"]["unique_graphs"]
+        t0 = time.perf_counter()
+        train_step(r, x)
+        first[r.name] = {
+            "first_step_s": time.perf_counter() - t0,
+            "graph_breaks": sum(counters["graph_break"].values()) - breaks0,
+            "graphs": counters["stats"]["unique_graphs"] - graphs0,
+        }
+        r.times.clear(), r.losses.clear(), r.comm.clear()
+    return first
+
+
+def summarize(runners: list[Runner], first: dict[str, dict], args: argparse.Namespace) -> dict:
     by = {r.name: r for r in runners}
     out: dict = {"config": vars(args), "world": dist.get_world_size(), "modes": {}, "ratios": {}}
     for r in runners:
@@ -81,7 +120,7 @@ def summarize(runners: list[Runner], first: dict[str, float], args: argparse.Nam
         diff = max(abs(a - b) for a, b in zip(r.losses, ref.losses, strict=True)) if ref else None
         out["modes"][r.name] = {
             "median_step_s": median(r.times[WARMUP:]),
-            "first_step_s": first[r.name],
+            **first[r.name],
             "times_s": r.times,
             "losses": r.losses,
             "max_loss_diff_vs_eager": diff,
@@ -101,10 +140,12 @@ def print_report(out: dict) -> None:
     shape = f"model={c['model']}" if c["model"] else f"d={c['d']} L={c['layers']} V={c['vocab']}"
     print(f"\n== bench_compile  world={out['world']}  {shape}  batch={c['batch']}x{c['seq']}  "
           f"backend={c['backend']}  rounds={c['steps']} (first {WARMUP} discarded)")  # fmt: skip
-    print(f"{'mode':<14}{'median s':>10}{'first step s':>14}{'|dloss| vs eager':>18}")
+    print(f"{'mode':<14}{'median s':>10}{'first step s':>14}{'breaks':>8}{'graphs':>8}"
+          f"{'|dloss| vs eager':>18}")  # fmt: skip
     for name, m in out["modes"].items():
         d = m["max_loss_diff_vs_eager"]
         print(f"{name:<14}{m['median_step_s']:>10.3f}{m['first_step_s']:>14.2f}"
+              f"{m['graph_breaks']:>8}{m['graphs']:>8}"
               f"{d if d is not None else float('nan'):>18.2e}")  # fmt: skip
     print(f"\n{'ratio':<22}{'of medians':>11}{'paired median':>15}")
     for k, v in out["ratios"].items():
@@ -122,9 +163,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", default=None, help="inductor (default if g++ is found) or other")
-    p.add_argument("--modes", default="eager,blocks,local,local_blocks", help=", ".join(MODES))
+    p.add_argument("--modes", default="eager,blocks,fsdp2_blocks", help=", ".join(MODES))
     p.add_argument("--json", help="write every figure here")
+    p.add_argument("--quick", action="store_true", help="tiny model, 4 rounds, aot_eager")
     args = p.parse_args()
+    if args.quick:
+        vars(args).update(QUICK, backend=args.backend or "aot_eager")
     args.modes = [m for m in args.modes.split(",") if m]
     if bad := [m for m in args.modes if m not in MODES]:
         p.error(f"unknown --modes {bad}; choose among {', '.join(MODES)}")
@@ -141,12 +185,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     runners = [build(m, args) for m in args.modes]
     x = torch.randint(0, vocab(args), (args.batch, args.seq + 1), generator=torch.Generator())
-    first: dict[str, float] = {}
-    for r in runners:  # compile (and warm up) outside the timed rounds
-        t0 = time.perf_counter()
-        train_step(r, x)
-        first[r.name] = time.perf_counter() - t0
-        r.times.clear(), r.losses.clear(), r.comm.clear()
+    first = first_steps(runners, x)
     run_rounds(runners, args, vocab(args))
     out = summarize(runners, first, args)
     if dist.get_rank() == 0:

@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..precision import MixedPrecision, cast_floating
 from . import lazy_root, recompute, saved_views
+from .compile_boundary import register_plain_keys, untraced
 from .recompute import Call, CallKind
 from .state import ShardedState
 from .unit import ParamState, Unit
@@ -81,35 +82,40 @@ def make_views(
 
 
 def register_hooks(state: ShardedState) -> list[Any]:
-    handles = []
+    """Every unit's forward hooks, which Dynamo never traces (see [Note: hooks the compiler
+    never traces] in ``compile_boundary.py``), and the root's plain state-dict keys."""
+    handles = register_plain_keys(state.root) if state.root is not None else []
     for unit in state.units:
         module = unit.module
         handles.append(
             module.register_forward_pre_hook(
-                partial(_pre_forward, state, unit), with_kwargs=True, prepend=True
+                untraced(partial(_pre_forward, state, unit)), with_kwargs=True, prepend=True
             )
         )
         handles.append(
             module.register_forward_hook(
-                partial(_post_forward, state, unit), with_kwargs=True, always_call=True
+                untraced(partial(_post_forward, state, unit)), with_kwargs=True, always_call=True
             )
         )
     return handles
 
 
 def register_precision_casts(model: nn.Module, mp: MixedPrecision) -> list[Any]:
-    """Cast the root's floating inputs to ``param_dtype`` and outputs to ``output_dtype``."""
+    """Cast the root's floating inputs to ``param_dtype`` and outputs to ``output_dtype``
+    (untraced as every hook of ours: they sit next to the root unit's, see hooks.py)."""
     handles = []
     if mp.cast_forward_inputs and mp.param_dtype is not None:
 
         def cast_inputs(module, args, kwargs):
             return cast_floating(args, mp.param_dtype), cast_floating(kwargs, mp.param_dtype)
 
-        handles.append(model.register_forward_pre_hook(cast_inputs, with_kwargs=True))
+        handles.append(model.register_forward_pre_hook(untraced(cast_inputs), with_kwargs=True))
     if mp.output_dtype is not None:
-        handles.append(
-            model.register_forward_hook(lambda m, a, out: cast_floating(out, mp.output_dtype))
-        )
+
+        def cast_output(module, args, output):
+            return cast_floating(output, mp.output_dtype)
+
+        handles.append(model.register_forward_hook(untraced(cast_output)))
     return handles
 
 
@@ -117,8 +123,8 @@ def _pre_forward(state: ShardedState, unit: Unit, module, args, kwargs):
     if state.summoned:  # full parameters are already installed; no collective may run
         return None
     kind = recompute.classify_call(unit)
-    if unit.part == "tail" and kind is CallKind.FORWARD and not torch.compiler.is_compiling():
-        return _pre_forward_tail(state, unit)  # (traced by torch.compile: as any unit)
+    if unit.part == "tail" and kind is CallKind.FORWARD:
+        return _pre_forward_tail(state, unit)
     state.gather_for_step(unit)
     if kind is CallKind.RECOMPUTE:  # gradients flow through the first forward's graph
         unit.install_views(recompute_views(state, unit))
@@ -150,7 +156,10 @@ def _pre_forward_tail(state: ShardedState, unit: Unit) -> None:
     unit.calls.append(call)
     unit.forward_depth += 1
     saved_views.enter(None, unit)  # keeps saved_hooks paired with _post_forward's leave
-    unit.install_views(lazy_root.placeholders(unit, partial(_tail_views, state, unit, call)))
+    # Resolved from inside a compiled forward too: never traced (see [Note: hooks the
+    # compiler never traces]).
+    views = untraced(partial(_tail_views, state, unit, call))
+    unit.install_views(lazy_root.placeholders(unit, views))
 
 
 def _tail_views(state: ShardedState, unit: Unit, call: Call) -> list[list[torch.Tensor]]:
@@ -232,7 +241,8 @@ def _pre_backward(state: ShardedState, unit: Unit, grad: torch.Tensor) -> None:
     state.backward_order.observe(unit)
     if unit.lazy_now and unit.state is ParamState.SHARDED:  # see [Note: the lazy root]
         unit.on_demand_views = None
-        unit.install_views(lazy_root.placeholders(unit, partial(_on_demand_views, state, unit)))
+        views = untraced(partial(_on_demand_views, state, unit))
+        unit.install_views(lazy_root.placeholders(unit, views))
         return
     state.gather_for_step(unit)
     if state.prefetch_policy.backward == "pre":
