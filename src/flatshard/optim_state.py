@@ -20,15 +20,18 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm.collectives import all_gather_into, broadcast
+from .engine.compile_boundary import plain_name
 from .engine.state import get_state
 
 __all__ = ["full_optimizer_state_dict", "load_full_optimizer_state_dict"]
 
 
 def _names(model: nn.Module) -> dict[int, str]:
+    """Each parameter's name as the plain model has it (no ``_orig_mod.`` of a compiled
+    block: the keys of a full optimizer state are checkpoint keys)."""
     names: dict[int, str] = {}
     for name, p in model.named_parameters():
-        names.setdefault(id(p), name)
+        names.setdefault(id(p), plain_name(name))
     return names
 
 
