@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 from torch import nn
 
-from .engine.state import get_state
+from .engine.state import StateMode, get_state
 
 KEEP_MODES = ("unsharded", "sharded")
 
@@ -33,10 +33,12 @@ def no_sync(model: nn.Module, *, keep: str = "unsharded") -> Iterator[None]:
     if keep not in KEEP_MODES:
         raise ValueError(f"no_sync(keep={keep!r}): choose 'unsharded' (fast) or 'sharded' (lean)")
     state = get_state(model)
-    if state.defer_reduce:
+    if state.mode is StateMode.ACCUMULATE:
         raise ValueError("fs.no_sync is already active for this model; do not nest it")
-    state.defer_reduce = keep == "unsharded"
+    previous = state.mode
+    if keep == "unsharded":  # keep="sharded" reduces every micro-batch: nothing changes
+        state.mode = StateMode.ACCUMULATE
     try:
         yield
     finally:
-        state.defer_reduce = False
+        state.mode = previous

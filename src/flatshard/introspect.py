@@ -73,7 +73,7 @@ def units(model: nn.Module) -> list[UnitInfo]:
                 full_bytes=gathered_bytes(unit),
                 gathered=unit.state is not ParamState.SHARDED,
                 reshard_after_forward=unit.reshard_after_forward,
-                part=unit.part,
+                part="tail" if unit.is_tail else "",
                 lazy=unit.regather_on_demand,
                 bucket=unit.bucket.index if unit.bucket is not None else None,
             )

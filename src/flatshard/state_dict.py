@@ -19,7 +19,7 @@ from torch import nn
 
 from .comm.collectives import broadcast
 from .engine.masters import master_views
-from .engine.state import ShardedState, get_state
+from .engine.state import ShardedState, StateMode, get_state
 from .engine.unit import Unit
 from .params import fragment_tag, full_shape, is_fragment
 
@@ -149,7 +149,7 @@ def summon_full_params(
         )
         writeback, rank0_only = (*legacy_flags, rank0_only)[:2]
     state = get_state(model)
-    if state.summoned:
+    if state.mode is StateMode.SUMMONED:
         raise ValueError("summon_full_params is already active for this model; do not nest it")
     holds_full = not rank0_only or state.topology.is_mesh_first
     with torch.no_grad():
@@ -159,11 +159,11 @@ def summon_full_params(
                 unit.install_views([g.full_views() for g in unit.groups])
             else:
                 unit.reshard(state.timeout)
-    state.summoned = True
+    previous, state.mode = state.mode, StateMode.SUMMONED
     try:
         yield model
     finally:
-        state.summoned = False
+        state.mode = previous
         with torch.no_grad():
             for unit in state.units:
                 unit.install_fragments()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..engine.state import get_state
+from ..engine.state import StateMode, get_state
 from ..params import fragment_tag
 from . import jsonable
 from .planner import Item, Pickled, Sharded
@@ -58,7 +58,7 @@ class ModelLayout:
 def model_layout(model: nn.Module) -> ModelLayout:
     """Parameters, buffers and aliases of a sharded ``model``, keyed like its ``state_dict``."""
     state = get_state(model)
-    if state.summoned:
+    if state.mode is StateMode.SUMMONED:
         raise ValueError(
             "cannot checkpoint inside fs.summon_full_params (parameters are full views there); "
             "save or load after the with-block"

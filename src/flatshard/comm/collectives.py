@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import gloo_p2p
+from . import gloo_p2p, watchdog
 from .debug import OpChecker
 
 # torch 2.13 renamed the tensor collectives (the old names warn); torch 2.6 has only the old.
@@ -54,21 +54,34 @@ class CommStats:
 
 @dataclass
 class PendingWork:
-    """An async collective in flight, plus the tensors that must outlive it."""
+    """An async collective in flight, plus the tensors that must outlive it. Off Gloo it is
+    registered with the watchdog when made (``comm/watchdog.py``, [Note: the collective
+    watchdog]): ``label`` and ``group`` are what its report names."""
 
     work: dist.Work | None
     op: str
     keep_alive: tuple[torch.Tensor, ...] = ()
     then: Callable[[datetime.timedelta], None] | None = None  # runs once it has completed
+    label: str = ""  # the unit or bucket it serves, e.g. "unit 3 (Block) group 0"
+    group: dist.ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        # Off Gloo the wait below takes no timeout, so the watchdog bounds the collective
+        # instead, from its issue on (it may complete long after its wait on NCCL).
+        if self.work is not None and dist.is_initialized() and not _bounded_wait(self.work):
+            watchdog.watch(self.work, self.op, self.label, self.group)
 
     def wait(self, timeout: datetime.timedelta) -> None:
         if self.work is None:
             self._run_then(timeout)
             return
+        bounded = _bounded_wait(self.work)
+        if not bounded:  # a hang the watchdog reported since is raised here, once
+            watchdog.check(timeout)
         try:
-            if _bounded_wait(self.work):
+            if bounded:
                 self.work.wait(timeout)
-            else:  # see _bounded_wait: the process group's own timeout catches a hang here
+            else:  # see _bounded_wait: the watchdog and the group's own timeout catch a hang
                 self.work.wait()
         except RuntimeError as err:
             rank = dist.get_rank() if dist.is_initialized() else 0
@@ -96,8 +109,9 @@ def _bounded_wait(work: object) -> bool:
     which flatshard's groups are made from; gloo_p2p's works are Gloo by construction), whose
     wait blocks the host anyway. On ProcessGroupNCCL any timeout makes the host poll until the
     collective has *completed* on the GPU (no CPU run-ahead), while ``wait()`` only makes the
-    current stream wait for it. Hang detection there stays with the process group's own
-    timeout and watchdog (``init_process_group(timeout=)``), not with ``FLATSHARD_TIMEOUT_S``."""
+    current stream wait for it. Hang detection there is flatshard's watchdog thread (bound:
+    ``FLATSHARD_TIMEOUT_S``, but before the group's own timeout; see ``watchdog.py``), then
+    the process group's own timeout and watchdog (``init_process_group(timeout=)``)."""
     return isinstance(work, gloo_p2p.P2PWork) or dist.get_backend() == "gloo"
 
 
@@ -148,7 +162,7 @@ def all_gather_into(
     if shard.device.type == "cpu" and _aliases(out, shard):
         shard = shard.clone()  # Gloo's own all-gather is not documented to allow in place
     work = _all_gather_tensor(out, shard, group=group, async_op=True)
-    return PendingWork(work, "all_gather", (out, shard))
+    return PendingWork(work, "all_gather", (out, shard), label=label, group=group)
 
 
 def _aliases(out: torch.Tensor, shard: torch.Tensor) -> bool:
@@ -180,7 +194,7 @@ def reduce_scatter_sum(
         chunk = full.view(-1, out.numel())[dist.get_rank(group)]
         return PendingWork(work, "reduce_scatter", (out, full), then=lambda _: out.copy_(chunk))
     work = _reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return PendingWork(work, "reduce_scatter", (out, full))
+    return PendingWork(work, "reduce_scatter", (out, full), label=label, group=group)
 
 
 def sends_from_pieces(group: dist.ProcessGroup, stats: CommStats) -> bool:
@@ -213,7 +227,7 @@ def all_reduce_sum(
     """Async in-place sum over ``group``."""
     stats.record("all_reduce", tensor, group, label)
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return PendingWork(work, "all_reduce", (tensor,))
+    return PendingWork(work, "all_reduce", (tensor,), label=label, group=group)
 
 
 def all_reduce(

@@ -214,7 +214,7 @@ def module_order(units: list[Unit], root: torch.nn.Module) -> list[Unit]:
     """``units`` in the order of their modules in ``root.modules()`` (a parent before its
     children, siblings in registration order: the order a forward usually runs them)."""
     rank = {id(m): i for i, m in enumerate(root.modules())}
-    return sorted(units, key=lambda u: (rank[id(u.module)], u.part == "tail"))
+    return sorted(units, key=lambda u: (rank[id(u.module)], u.is_tail))
 
 
 def bucket_order_message(bucket: Bucket, forward_order: list[Unit]) -> str:

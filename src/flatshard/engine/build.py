@@ -23,7 +23,7 @@ from .meta_init import check_nothing_on_meta, has_meta, materialize_unit
 from .root_split import tail_parameters
 from .state import ShardedState
 from .strategy import reshards_after_forward
-from .unit import Unit
+from .unit import Unit, UnitRole
 
 
 def build_state(
@@ -118,11 +118,19 @@ def _build_units(
                 len(units), module, members, slots, topology=topology, stats=stats,
                 reshard_after_forward=reshard or (lazy and i == 0),
                 mixed_precision=options.mixed_precision, offload=options.offload,
+                role=_role(is_root, i, lazy),
             )  # fmt: skip
-            unit.regather_on_demand = lazy and i == 0
-            unit.part = "tail" if i == 1 else ""
             units.append(unit)
     return units
+
+
+def _role(is_root: bool, part: int, lazy: bool) -> UnitRole:
+    """The role of part ``part`` of a unit module (the root may be split in [root, tail])."""
+    if not is_root:
+        return UnitRole.BLOCK
+    if part == 1:
+        return UnitRole.TAIL
+    return UnitRole.LAZY_ROOT if lazy else UnitRole.ROOT
 
 
 def _split_root(model: nn.Module, plan: WrapPlan, params: list, slots: dict) -> list[list]:

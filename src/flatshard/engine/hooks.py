@@ -34,7 +34,7 @@ from ..precision import MixedPrecision, cast_floating
 from . import lazy_root, recompute, saved_views
 from .compile_boundary import register_plain_keys, untraced
 from .recompute import Call, CallKind
-from .state import ShardedState
+from .state import ShardedState, StateMode
 from .unit import ParamState, Unit
 
 
@@ -120,10 +120,10 @@ def register_precision_casts(model: nn.Module, mp: MixedPrecision) -> list[Any]:
 
 
 def _pre_forward(state: ShardedState, unit: Unit, module, args, kwargs):
-    if state.summoned:  # full parameters are already installed; no collective may run
+    if state.mode is StateMode.SUMMONED:  # full parameters installed; no collective may run
         return None
     kind = recompute.classify_call(unit)
-    if unit.part == "tail" and kind is CallKind.FORWARD:
+    if unit.is_tail and kind is CallKind.FORWARD:
         return _pre_forward_tail(state, unit)
     state.gather_for_step(unit)
     if kind is CallKind.RECOMPUTE:  # gradients flow through the first forward's graph
@@ -174,10 +174,10 @@ def _tail_views(state: ShardedState, unit: Unit, call: Call) -> list[list[torch.
 
 
 def _post_forward(state: ShardedState, unit: Unit, module, args, kwargs, output):
-    if state.summoned:
+    if state.mode is StateMode.SUMMONED:
         return None
     call = unit.calls.pop() if unit.calls else Call(CallKind.FORWARD)
-    unused_tail = unit.part == "tail" and call.kind is CallKind.FORWARD and call.views is None
+    unused_tail = unit.is_tail and call.kind is CallKind.FORWARD and call.views is None
     if unused_tail and unit.state is not ParamState.SHARDED:  # (sharded: its gather failed)
         _tail_views(state, unit, call)  # unused in this forward: its node must exist all the same
     if call.kind is CallKind.RECOMPUTE:  # views stay until this unit's post-backward
@@ -289,7 +289,7 @@ def _call_done(state: ShardedState, unit: Unit) -> None:
     _queue_final_callback(state)
     unit.grad.pending_nodes = max(0, unit.grad.pending_nodes - 1)
     if unit.grad.pending_nodes == 0:
-        if not state.defer_reduce:
+        if state.mode is not StateMode.ACCUMULATE:
             state.launch_reduce(unit)
         unit.install_fragments()
         unit.reshard(state.timeout)
@@ -299,7 +299,7 @@ def _call_done(state: ShardedState, unit: Unit) -> None:
 
 def _reduce_right_away(state: ShardedState, unit: Unit) -> bool:
     """This call's gradients are the unit's last of this backward and get reduced next."""
-    return unit.grad.pending_nodes == 1 and not state.defer_reduce
+    return unit.grad.pending_nodes == 1 and state.mode is not StateMode.ACCUMULATE
 
 
 def _queue_final_callback(state: ShardedState) -> None:

@@ -14,6 +14,7 @@ whose shard moved on is regathered before use.
 from __future__ import annotations
 
 import datetime
+import enum
 import warnings
 from collections import deque
 from dataclasses import dataclass, field
@@ -32,6 +33,14 @@ from .gather_pool import GatheredBytes, GatherPool
 from .mesh import Topology
 from .reduce import PendingReduce
 from .unit import ParamState, Unit
+
+
+class StateMode(enum.Enum):
+    """What the model's hooks do right now."""
+
+    TRAIN = "train"  # gather, compute on views, reduce, release
+    SUMMONED = "summoned"  # inside summon_full_params: full parameters installed, hooks aside
+    ACCUMULATE = "accumulate"  # inside no_sync(keep="unsharded"): flat gradients kept
 
 
 @dataclass
@@ -90,12 +99,11 @@ class ShardedState:
         self.storage_cache: StorageCache | None = None  # made with the buckets
         # The root's tail (see root_split.py) starts every backward: the last unit of the
         # forward is not the first of the backward then.
-        self.tail_first = any(u.part == "tail" for u in units)
+        self.tail_first = any(u.is_tail for u in units)
         self._ahead: dict[tuple[int, int, int], list[Unit]] = {}  # see ahead()
         self._reduced: list[PendingReduce] = []
         self.final_callback_queued = False
-        self.summoned = False  # inside summon_full_params: hooks stand aside
-        self.defer_reduce = False  # inside no_sync(keep="unsharded"): keep flat gradients
+        self.mode = StateMode.TRAIN
         self.gathered_bytes = GatheredBytes()
         for g in (g for u in units for g in u.groups if not g.replicated):
             g.account = self.gathered_bytes
@@ -209,7 +217,7 @@ class ShardedState:
 
     def reshard_all(self) -> None:
         for unit in self.units:
-            if not self.summoned:
+            if self.mode is not StateMode.SUMMONED:
                 unit.install_fragments()  # recompute views may still be installed
             if unit.state is not ParamState.SHARDED:
                 unit.reshard(self.timeout)
@@ -239,7 +247,7 @@ class ShardedState:
     def finish_backward(self) -> None:
         """End of backward: reduce what never reduced, wait, agree on usage, assign grads."""
         self.final_callback_queued = False
-        if self.defer_reduce:  # no_sync: flat gradients stay for the next micro-batch
+        if self.mode is StateMode.ACCUMULATE:  # flat gradients stay for the next micro-batch
             for unit in self.units:
                 unit.grad.pending_nodes = 0
             self.reshard_all()

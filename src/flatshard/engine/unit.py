@@ -28,6 +28,16 @@ from .mesh import Topology
 from .reduce import PendingReduce, flat_grad_from, reduce_group, reduces_pieces, zeros_flat_grad
 
 
+class UnitRole(enum.Enum):
+    """What a unit is to its model (see root_split.py and lazy_root.py)."""
+
+    BLOCK = "block"  # a module the policy chose
+    ROOT = "root"  # the root module's own parameters (gathered from forward into backward)
+    LAZY_ROOT = "lazy_root"  # the root, its tail split off: released after forward, regathered
+    # in backward only on demand ([Note: the lazy root])
+    TAIL = "tail"  # the root's parameters used only after the last unit (final norm, head)
+
+
 class ParamState(enum.Enum):
     SHARDED = "sharded"  # only fragments in memory
     GATHERING = "gathering"  # an async all-gather is writing the full buffers
@@ -70,8 +80,10 @@ class Unit:
         reshard_after_forward: bool,
         mixed_precision: MixedPrecision | None = None,
         offload: CPUOffload | None = None,
+        role: UnitRole = UnitRole.BLOCK,
     ) -> None:
         self.index = index
+        self.role = role
         self.module = module
         self.process_group = topology.shard_group
         self.topology = topology
@@ -104,10 +116,8 @@ class Unit:
         self.calls: list = []  # per forward call in progress: a recompute.Call
         self._gather_work: list[PendingWork] = []
         self.bucket = None  # the engine.buckets.Bucket it shares collectives with, if any
-        # The lazy root (see lazy_root.py): released after forward, regathered on demand;
-        # ``lazy_now``: this step's forward could install its saved-tensor hooks.
-        self.regather_on_demand = False
-        self.part = ""  # "tail": the root's tail (see root_split.py)
+        # The lazy root (see lazy_root.py): ``lazy_now``: this step's forward could install
+        # its saved-tensor hooks.
         self.reach_calls = self.reach_streak = 0  # see recompute.output_reaches
         self.lazy_now = False
         self.on_demand_views: list | None = None  # this backward's, once a placeholder was used
@@ -115,6 +125,15 @@ class Unit:
         self.grad = GradState()
         self.reset_grad_state()
         self.install_fragments()
+
+    @property
+    def regather_on_demand(self) -> bool:
+        """The lazy root: regathered in backward only when something reads it."""
+        return self.role is UnitRole.LAZY_ROOT
+
+    @property
+    def is_tail(self) -> bool:
+        return self.role is UnitRole.TAIL
 
     def reset_grad_state(self) -> None:
         """After this unit's reduction is launched (or a no_sync backward): the autograd graph
