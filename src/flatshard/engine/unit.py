@@ -89,24 +89,12 @@ class Unit:
         self.topology = topology
         self.stats = stats
         self.reshard_after_forward = reshard_after_forward
-        rank, world, device = topology.shard_rank, topology.shard_world, topology.device
+        device = topology.device
         self.groups: list[FlatGroup] = []
         self.slots: list[Slot] = []
         for members in _group_by_kind(params).values():
-            flat = FlatGroup(
-                members,
-                rank=rank,
-                world=world,
-                device=device,
-                mixed_precision=mixed_precision,
-                offload=offload,
-                label=f"unit {index} ({type(module).__name__}) group {len(self.groups)}",
-            )
-            gi = len(self.groups)
-            self.groups.append(flat)
-            for pi, p in enumerate(members):
-                for module_, name in slots_by_param[id(p)]:
-                    self.slots.append(Slot(module_, name, gi, pi))
+            label = f"unit {index} ({type(module).__name__}) group {len(self.groups)}"
+            self._add_group(members, slots_by_param, label, mixed_precision, offload)
         self.trainable_groups = [i for i, g in enumerate(self.groups) if g.requires_grad]
         # A zero-size leaf that makes autograd call ``UnitViews.backward`` (see hooks.py).
         self.anchor = torch.empty(0, device=device, requires_grad=True)
@@ -125,6 +113,24 @@ class Unit:
         self.grad = GradState()
         self.reset_grad_state()
         self.install_fragments()
+
+    def _add_group(self, members, slots_by_param, label, mixed_precision, offload) -> None:
+        """One flat group of ``members`` (same dtype and requires_grad), and their places."""
+        topo, gi = self.topology, len(self.groups)
+        self.groups.append(
+            FlatGroup(
+                members,
+                rank=topo.shard_rank,
+                world=topo.shard_world,
+                device=topo.device,
+                mixed_precision=mixed_precision,
+                offload=offload,
+                label=label,
+            )
+        )
+        for pi, p in enumerate(members):
+            for module, name in slots_by_param[id(p)]:
+                self.slots.append(Slot(module, name, gi, pi))
 
     @property
     def regather_on_demand(self) -> bool:
