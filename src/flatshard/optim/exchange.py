@@ -34,7 +34,7 @@ def all_to_all(
         return PendingWork(None, ALL_TO_ALL)
     comm.stats.record(ALL_TO_ALL, send, group, label)
     work = dist.all_to_all_single(out, send, out_splits, send_splits, group=group, async_op=True)
-    return PendingWork(work, ALL_TO_ALL, (out, send))
+    return PendingWork(work, ALL_TO_ALL, (out, send), label=label, group=group)
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None, comm: Comm) -> None:
@@ -43,4 +43,4 @@ def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None, comm: 
         return
     comm.stats.record(ALL_REDUCE, tensor, group, ALL_REDUCE)
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    PendingWork(work, ALL_REDUCE, (tensor,)).wait(comm.timeout)
+    PendingWork(work, ALL_REDUCE, (tensor,), label=ALL_REDUCE, group=group).wait(comm.timeout)

@@ -1,0 +1,270 @@
+"""The collective watchdog (``flatshard.comm.watchdog``; [Note: the collective watchdog]).
+
+Unit tests drive a ``Watchdog`` with fake works and a fake clock (no thread, no real time);
+one test runs the thread itself; one runs on a Gloo pool (nothing may start there); one runs
+on the ``strict_async`` backend (NCCL's semantics), where rank 1 skips an all-reduce that
+rank 0 issues through flatshard, and rank 0 must name it within a few seconds.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_pool import CASE_TIMEOUT_S
+from flatshard.comm import watchdog
+from flatshard.comm.watchdog import CollectiveHang, Watchdog, bound_s
+from nccl_pool import strict_pools  # noqa: F401 (the fixture)
+
+LABEL = "unit 3 (Block) group 0"
+TWO_S = datetime.timedelta(seconds=2)
+
+
+class FakeWork:
+    def __init__(self, done: bool = False) -> None:
+        self.done = done
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+class FakeGroup:
+    """What ``group_timeout_s`` reads from a process group written in Python."""
+
+    _device_types = ()
+
+    def __init__(self, timeout_s: float) -> None:
+        self._timeout = datetime.timedelta(seconds=timeout_s)
+        self.aborted = 0
+
+    def abort(self) -> None:
+        self.aborted += 1
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture(autouse=True)
+def no_process_watchdog():
+    """No test leaves the process's watchdog (or its thread) behind."""
+    yield
+    watchdog.reset()
+
+
+# ---- unit tests: fake works, fake clock ---------------------------------------------------------
+def test_a_completed_collective_is_never_reported(clock, capsys) -> None:
+    dog = Watchdog(timeout_s=10, clock=clock)
+    quick, slow = FakeWork(), FakeWork()
+    dog.watch(quick, "all_gather", LABEL)
+    dog.watch(slow, "reduce_scatter", LABEL)
+    clock.now = 5
+    quick.done = True  # completes within its bound
+    assert dog.poll() == [] and dog.in_flight() == 1
+    clock.now = 9.5
+    slow.done = True  # completes just before its bound
+    for clock.now in (10.5, 100, 10_000):
+        assert dog.poll() == []
+    assert dog.in_flight() == 0 and dog.reports == [] and dog.pending is None
+    assert capsys.readouterr().err == ""
+
+
+def test_a_stuck_collective_is_reported_once_with_rank_op_label(clock, capsys) -> None:
+    dog = Watchdog(timeout_s=10, clock=clock)
+    stuck = FakeWork()
+    dog.watch(stuck, "all_reduce", LABEL)
+    clock.now = 1
+    behind = [FakeWork(), FakeWork()]  # issued after it: stalled by it on NCCL's stream
+    for work in behind:
+        dog.watch(work, "all_gather", "bucket 0")
+    clock.now = 9.9
+    assert dog.poll() == []
+    fired = [m for clock.now in (10.1, 11, 12, 60, 600) for m in dog.poll()]
+    assert len(fired) == 1 and dog.reports == fired, fired
+    message = fired[0]
+    assert message.startswith(f"[flatshard rank 0] watchdog: all_reduce '{LABEL}' over ranks")
+    assert "has not completed 10.1 s after it was issued (2 more" in message, message
+    assert "FLATSHARD_DEBUG=1" in message and "died, hung, or taken another code path" in message
+    assert capsys.readouterr().err.count("watchdog: all_reduce") == 1
+    assert isinstance(dog.pending, CollectiveHang) and str(dog.pending) == message
+
+
+def test_the_bound_is_below_the_group_timeout(clock) -> None:
+    assert bound_s(600, 600, 0.5) == 480  # the defaults: flatshard's 600 s = NCCL's 10 min
+    assert bound_s(2, 600, 0.5) == 2  # a smaller flatshard timeout wins
+    assert bound_s(600, 1800, 0.5) == 600  # and a larger group timeout leaves it alone
+    assert bound_s(600, None, 0.5) == 600  # unreadable: flatshard's
+    for group_s in (0.8, 1.5, 5, 60, 600, 1800, 86_400):
+        for flatshard_s in (1, 60, 600, 3600):
+            bound = bound_s(flatshard_s, group_s, 0.5)
+            assert bound <= flatshard_s and bound < group_s, (flatshard_s, group_s)
+            # 20% of the group's timeout early, and two polls (a tiny timeout: one poll)
+            margin = max(0.2 * group_s, 2 * 0.5)
+            assert group_s - bound >= margin - 1e-9 or bound == 0.5, (flatshard_s, group_s)
+    # The group's timeout, read from the group, decides when a stuck collective is reported.
+    dog = Watchdog(timeout_s=600, clock=clock)
+    dog.watch(FakeWork(), "reduce_scatter", LABEL, FakeGroup(600))
+    clock.now = 479
+    assert dog.poll() == []
+    clock.now = 481
+    (message,) = dog.poll()
+    assert "Bound 480 s" in message and "own timeout is 600 s" in message, message
+
+
+def test_the_main_thread_gets_the_hang_once_and_learns_flatshards_timeout(clock) -> None:
+    dog = watchdog.configure(timeout_s=600, interval_s=3600, clock=clock)  # the thread idles
+    watchdog.check(TWO_S)  # a flatshard wait: the engine's timeout reaches the watchdog
+    assert dog.timeout_s == 2
+    watchdog.watch(FakeWork(), "all_gather", LABEL)
+    clock.now = 2.5
+    (message,) = dog.poll()
+    with pytest.raises(CollectiveHang) as raised:
+        watchdog.check(TWO_S)
+    assert str(raised.value) == message
+    watchdog.check(TWO_S)  # once: the next wait goes on (it may still complete)
+
+
+def test_the_actions(clock) -> None:
+    group = FakeGroup(600)
+    for action, aborts, raises in (("abort", 1, True), ("report", 0, False)):
+        dog = Watchdog(action=action, timeout_s=1, clock=clock)
+        dog.watch(FakeWork(), "all_reduce", LABEL, group)
+        clock.now += 2
+        (message,) = dog.poll()
+        assert group.aborted == aborts and (dog.pending is not None) == raises, action
+        assert f"FLATSHARD_WATCHDOG={action}" in message
+        group.aborted = 0
+    off = Watchdog(action="off")
+    off.watch(FakeWork(), "all_reduce", LABEL)
+    off.start()
+    assert off.in_flight() == 0 and not off.running()
+    with pytest.raises(ValueError, match="FLATSHARD_WATCHDOG='loud'"):
+        Watchdog(action="loud")
+
+
+def test_the_thread_reports_by_itself_and_stops() -> None:
+    dog = watchdog.configure(timeout_s=0.2, interval_s=0.05, action="report")
+    (thread,) = [t for t in threading.enumerate() if t.name == watchdog.THREAD_NAME]
+    assert thread.daemon  # never keeps a finished process alive
+    watchdog.watch(FakeWork(), "all_gather", LABEL)
+    deadline = time.monotonic() + 5
+    while not dog.reports and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(dog.reports) == 1, "the thread did not report the stuck collective"
+    watchdog.reset()
+    assert not thread.is_alive() and watchdog.current() is None
+
+
+# ---- real process groups ------------------------------------------------------------------------
+def _flatshard_collectives_on_gloo() -> dict:
+    from flatshard.comm import collectives
+
+    stats, world = collectives.CommStats(), dist.get_world_size()
+    for p2p in (True, False):  # flatshard's point-to-point ring and Gloo's own collectives
+        stats.p2p = p2p
+        full, out = torch.ones(4 * world), torch.empty(4)
+        collectives.reduce_scatter_sum(out, full, dist.group.WORLD, stats, LABEL).wait(TWO_S)
+        gathered = torch.empty(4 * world)
+        collectives.all_gather_into(gathered, out, dist.group.WORLD, stats, LABEL).wait(TWO_S)
+    collectives.all_reduce_sum(torch.ones(2), dist.group.WORLD, stats, LABEL).wait(TWO_S)
+    threads = [t.name for t in threading.enumerate() if t.name == watchdog.THREAD_NAME]
+    # What the group's own watchdog uses, read as for NCCL (the backend's options).
+    timeout_s = watchdog.group_timeout_s(dist.group.WORLD)
+    return {"watchdog": watchdog.current() is not None, "threads": threads, "timeout": timeout_s}
+
+
+def test_nothing_starts_on_gloo(dist_pools) -> None:
+    for rank, got in enumerate(dist_pools(2).run(_flatshard_collectives_on_gloo)):
+        assert got == {"watchdog": False, "threads": [], "timeout": CASE_TIMEOUT_S}, (rank, got)
+
+
+def _rank_1_skips_an_all_reduce(key: str) -> dict:
+    """Rank 0 issues an all-reduce through flatshard that rank 1 does not issue until rank 0
+    has seen the watchdog's message (then it does: the pool stays in step)."""
+    import contextlib
+    import io
+    import logging
+
+    from flatshard.comm import collectives
+
+    rank, store = dist.get_rank(), dist.distributed_c10d._get_default_store()
+    stats, world = collectives.CommStats(), dist.group.WORLD
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("flatshard.watchdog").addHandler(handler)
+    err = io.StringIO()
+    dog = watchdog.configure(interval_s=0.1)  # the default action: raise
+    try:
+        with contextlib.redirect_stderr(err):
+            # Both ranks: a first collective; its wait gives the watchdog flatshard's timeout.
+            collectives.all_reduce_sum(torch.ones(2), world, stats, "warm-up").wait(TWO_S)
+            out = _skip(rank, store, key, dog, collectives.all_reduce_sum, stats)
+    finally:
+        logging.getLogger("flatshard.watchdog").removeHandler(handler)
+        watchdog.reset()
+    return {**out, "reports": dog.reports, "stderr": err.getvalue(), "logged": records}
+
+
+def _skip(rank: int, store, key: str, dog, all_reduce_sum, stats) -> dict:
+    tensor = torch.ones(3)
+    if rank == 1:
+        store.wait([key])  # until rank 0 has checked
+        all_reduce_sum(tensor, dist.group.WORLD, stats, LABEL).wait(TWO_S)
+        return {"sum": tensor.tolist()}
+    start = time.monotonic()
+    pending = all_reduce_sum(tensor, dist.group.WORLD, stats, LABEL)
+    try:  # NCCL's host runs ahead of a collective: here it polls for the report instead
+        while not dog.reports and time.monotonic() - start < 10:
+            time.sleep(0.02)
+        seen_after = time.monotonic() - start
+    finally:
+        store.set(key, "checked")  # rank 1 issues the all-reduce late: nothing stays stuck
+    raised = None
+    try:
+        pending.wait(TWO_S)
+    except CollectiveHang as error:
+        raised = str(error)
+    pending.wait(TWO_S)  # the hang is raised once; the collective then completes
+    return {"sum": tensor.tolist(), "seen_after": seen_after, "raised": raised}
+
+
+def _in_step() -> list[float]:
+    tensor = torch.ones(1)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def test_rank_0_names_the_all_reduce_rank_1_skipped(strict_pools) -> None:  # noqa: F811
+    pool = strict_pools(2)
+    got = pool.run(_rank_1_skips_an_all_reduce, f"watchdog-{uuid.uuid4().hex}")
+    zero, one = got
+    assert zero["sum"] == one["sum"] == [2.0] * 3, got  # completed once rank 1 issued it
+    assert one["reports"] == [] and one["stderr"] == "", one  # its collectives completed
+    (message,) = zero["reports"]
+    assert 2.0 <= zero["seen_after"] < 4.0, zero["seen_after"]  # flatshard's 2 s timeout
+    assert message.startswith(
+        f"[flatshard rank 0] watchdog: all_reduce '{LABEL}' over ranks [0, 1]"
+    )
+    assert (
+        f"Bound 2 s: flatshard's timeout is 2 s; the process group's own timeout is "
+        f"{CASE_TIMEOUT_S:g} s" in message
+    ), message
+    assert zero["stderr"] == message + "\n" and zero["logged"] == [message]
+    assert zero["raised"] == message
+    assert pool.run(_in_step) == [[2.0], [2.0]]  # the pool is still in step
