@@ -1,210 +1,162 @@
-"""World-1 checks of flatshard on one GPU, and its step overhead vs the bare model and FSDP2.
+"""flatshard on one GPU, one command: real NCCL collectives at world 1, delays, syncs, A/B.
 
-Run by ``bench/gpu_check.sh`` (torchrun, one process, a global timeout); ``python
-bench/gpu_check.py`` works too. With CUDA: NCCL, GPT "small" in fp32 (TF32 off) for the checks,
-"large" for the benchmark (an fp32 row and a bf16 mixed-precision row). Without CUDA: a *dry
-run* (Gloo, CPU, GPT "tiny") through the same code, whose timings mean nothing. At world 1
-flatshard issues no collective, so this covers the device paths (flat buffers, views, offload,
-pinned memory, checkpoint I/O), not NCCL traffic. Checks: ``CHECKS`` below (activation
-checkpointing by every torch and Hugging Face route: ``gpu_check_routes.py``); benchmark:
-``gpu_check_bench.py``; docs/performance.md ("GPU check") says what each asserts and measures.
-Writes OUT/gpu_check.json and OUT/gpu_check.txt (every check: pass, fail or skip, and its
-numbers); exit status 1 on a failure.
+Run by ``bench/gpu_check.sh`` (torchrun, one process, a global timeout of 7 minutes);
+``python bench/gpu_check.py`` works too. With CUDA: NCCL, GPT "small" (fp32, TF32 off) for
+the checks, GPT "1b" in bf16 for the A/B and the profile. Without CUDA (or ``--dry-run``, for
+which gpu_check.sh hides the GPUs): a *dry run*, Gloo on the CPU with GPT "tiny", through the
+same code; the CUDA-only parts are skipped with the reason, the timings mean nothing.
+
+Sections, in this order (each skipped, with the reason, when the time left is short; the
+JSON is rewritten after each, so a run that is killed keeps what it measured):
+
+- ``env``: versions (torch and CI's pin, CUDA, NCCL, the GPU);
+- ``wait_probe``: what ``wait(timeout)`` and ``wait()`` cost the host (gpu_check_probe.py);
+- ``forced``: the size-one group kept (gpu_check_forced.py): bf16 + offload bit-identical to
+  plain world 1; the same with each collective delayed on its stream and from a side stream;
+  offload with ``fs.clip_grad_norm_``, the full optimizer state and ``fs.optim.Adafactor``;
+- ``checks_forced`` / ``checks_plain``: parity, bf16, offload, pooled buffers, save/load, the
+  activation-checkpointing routes, meta init (gpu_check_checks.py), with the size-one group
+  kept (each must issue real collectives) and as world 1 is without it;
+- ``sync_audit``: device synchronisations of one steady step, by flatshard line;
+- ``ab``: flatshard (plain, forced, forced with timed waits) vs FSDP2 vs bare: step time,
+  peak memory, collectives per step (gpu_check_bench.py);
+- ``profiler``: compute-stream idle share, NCCL time, host time in ``PendingWork.wait``
+  (gpu_check_profile.py).
+
+Writes OUT/gpu_check.json (everything), OUT/gpu_check.md (the summary) and OUT/gpu_check.txt
+(the report lines); exit status 1 when a section failed. docs/performance.md ("GPU check").
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import tempfile
 import time
 import traceback
 
 import torch
 import torch.distributed as dist
-from gpu_check_bench import PRECISIONS, bench
-from gpu_check_common import LINES, TOL, Ctx, lm_loss, rel_err, say, setup, step_parity, train
-from gpu_check_routes import ROUTE_CHECKS
+from gpu_check_bench import MODES, PRECISIONS, bench
+from gpu_check_checks import checks_pass
+from gpu_check_common import LINES, Ctx, run_checks, say, setup, status_of
+from gpu_check_forced import FORCED_CHECKS, FORCED_WHAT
+from gpu_check_probe import check_env, check_sync_audit, check_wait_probe
+from gpu_check_profile import check_profiler
+from gpu_check_report import markdown
 
-import flatshard as fs
 from flatshard.comm.shutdown import end_process_group
-from flatshard.models import GPT, Block
 
 
-def check_fp32_parity(c: Ctx) -> dict:
-    return step_parity(c.sharded(), c.ref(), c.x, c.x2)
+def _profiler(c: Ctx, args) -> dict:
+    def check_profiler_(c: Ctx) -> dict:
+        return check_profiler(c, args)
+
+    check_profiler_.__name__ = "check_profiler"
+    return run_checks([check_profiler_], c)
 
 
-def check_bf16_mixed(c: Ctx) -> dict:
-    mp = fs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    model = c.sharded(mixed_precision=mp)
-    losses = train(model, torch.optim.AdamW(model.parameters(), lr=1e-3), c.x, c.x2, c.x)
-    with torch.no_grad():
-        fp32 = lm_loss(c.ref(), c.x).item()
-    fp32_frags = all(p.dtype == torch.float32 for p in model.parameters())
-    ok = all(math.isfinite(v) for v in losses) and fp32_frags
-    ok &= abs(losses[0] - fp32) <= 0.02 * abs(fp32)  # bf16 forward ~ fp32 forward
-    return {"ok": ok, "losses": losses, "fp32_loss": fp32, "fp32_fragments": fp32_frags}
-
-
-def check_cpu_offload(c: Ctx) -> dict:
-    model = c.sharded(offload=fs.CPUOffload(params=True))
-    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
-    pinned = all(p.is_pinned() for p in model.parameters()) if c.cuda else None  # CUDA only
-    out = step_parity(model, c.ref(), c.x, c.x2)
-    out.update(on_cpu=on_cpu, pinned=pinned, ok=out["ok"] and on_cpu and pinned is not False)
-    return out
-
-
-def check_pooled_buffers(c: Ctx) -> dict:
-    """Reused gather buffers + saved-view hooks on the device: with offloaded shards the full
-    buffers are separate tensors even at world 1, so the pool serves them; 3 SGD steps, the
-    gradients of each equal the unsharded model's (from step 2 on a block's backward regather
-    lands in another buffer than its forward's)."""
-    model, ref = c.sharded(offload=fs.CPUOffload(params=True)), c.ref()
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
-    params, ref_params = dict(model.named_parameters()), dict(ref.named_parameters())
-    errs = []
-    for x in (c.x, c.x2, c.x):
-        lm_loss(model, x).backward(), lm_loss(ref, x).backward()
-        errs.append(max(rel_err(params[n].grad, q.grad.reshape(-1)) for n, q in ref_params.items()))
-        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
-    allocations = fs.memory_stats(model).pool_allocations
-    # CPU dry run: offloading to the CPU is a no-op there, so world 1 has no buffer to pool.
-    pooled = allocations > 0 or not c.cuda
-    return {"ok": max(errs) <= TOL and pooled, "grad_errs": errs, "buffers": allocations}
-
-
-def check_save_load(c: Ctx) -> dict:
-    """Save after a step; load into another init that has optimizer state of its own."""
-    model = c.sharded()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    train(model, opt, c.x)
-    torch.manual_seed(1)
-    other = fs.shard(GPT(c.cfg), policy=fs.wrap.by_type(Block))
-    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-3)
-    train(other, other_opt, c.x2)
-    with tempfile.TemporaryDirectory() as tmp:
-        fs.save(os.path.join(tmp, "ckpt"), model=model, optimizer=opt, extra={"step": 1})
-        extra = fs.load(os.path.join(tmp, "ckpt"), model=other, optimizer=other_opt)
-    a, b = fs.full_state_dict(model), fs.full_state_dict(other)
-    sd_diff = max((a[k] - b[k]).abs().max().item() for k in a)
-    mine, theirs = (o.state_dict()["state"].values() for o in (opt, other_opt))
-    pairs = [(s[k], t[k]) for s, t in zip(mine, theirs, strict=True) for k in s]
-    opt_diff = max((s.float() - t.float()).abs().max().item() for s, t in pairs)
-    with torch.no_grad():
-        losses = [lm_loss(m, c.x2).item() for m in (model, other)]
-    ok = sd_diff == 0 and opt_diff == 0 and extra.get("step") == 1 and losses[0] == losses[1]
-    return {"ok": ok, "state_dict_diff": sd_diff, "optimizer_diff": opt_diff, "losses": losses}
-
-
-def check_activation_ckpt(c: Ctx) -> dict:
-    model = c.sharded()
-    fs.checkpoint_activations(model, fs.wrap.by_type(Block))
-    return step_parity(model, c.ref(), c.x, c.x2)
-
-
-def check_meta_init(c: Ctx) -> dict:
-    with torch.device("meta"):
-        model = GPT(c.cfg)
-    model = fs.shard(model, policy=fs.wrap.by_type(Block))
-    tensors = [*model.parameters(), *model.buffers()]
-    placed = all(t.device.type == c.device.type for t in tensors)
-    finite = all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
-    losses = train(model, torch.optim.AdamW(model.parameters(), lr=1e-3), c.x, c.x2)
-    uniform = math.log(c.cfg.vocab_size)  # a small-init GPT starts near the uniform loss
-    ok = placed and finite and abs(losses[0] - uniform) < 0.1 * uniform and losses[1] < 1e9
-    return {"ok": ok, "on_device": placed, "finite": finite, "losses": losses, "ln_V": uniform}
-
-
-CHECKS = [check_fp32_parity, check_bf16_mixed, check_cpu_offload, check_pooled_buffers]
-CHECKS += [check_save_load]
-CHECKS += [check_activation_ckpt, *ROUTE_CHECKS, check_meta_init]
-
-
-def run_check(fn, c: Ctx) -> dict:
-    """``fn(c)`` with its ``status`` (pass, fail, or skip when it returns ``skipped``: why) and
-    its seconds; an exception is a failure with its traceback."""
-    t0 = time.perf_counter()
-    try:
-        r = fn(c)
-    except Exception:  # report it and go on with the other checks
-        r = {"ok": False, "error": traceback.format_exc()}
-    if "skipped" in r:
-        r["ok"], r["status"] = None, "skip"
-    else:
-        r["status"] = "pass" if r["ok"] else "fail"
-    r["seconds"] = time.perf_counter() - t0
-    return r
-
-
-def run_checks(c: Ctx) -> dict:
-    results = {}
-    for fn in CHECKS:
-        name = fn.__name__.removeprefix("check_")
-        r = results[name] = run_check(fn, c)
-        brief = [f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()]
-        quiet = ("ok", "status", "error", "seconds")
-        say(f"{r['status'].upper():<4}  {name:<26}{r['seconds']:6.1f}s  " + " ".join(
-            b for b in brief if b.split("=")[0] not in quiet))  # fmt: skip
-        if "error" in r:
-            say(r["error"])
-    return results
+# name, what it runs, the seconds it needs on an H200 (started only with that much time left)
+SECTIONS = [
+    ("env", lambda c, a: run_checks([check_env], c), 0),
+    ("wait_probe", lambda c, a: run_checks([check_wait_probe], c), 10),
+    ("forced", lambda c, a: run_checks(FORCED_CHECKS, c), 30),
+    ("checks_forced", lambda c, a: checks_pass(c, forced=True), 45),
+    ("sync_audit", lambda c, a: run_checks([check_sync_audit], c), 15),
+    ("ab", lambda c, a: bench(c.device, a), 120),
+    ("profiler", _profiler, 40),
+    ("checks_plain", lambda c, a: checks_pass(c, forced=False), 35),
+]
+DRY_RUN_NEED = 0.2  # the CPU dry run's tiny sizes need about this share of those seconds
 
 
 def parse_args() -> argparse.Namespace:
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=".", help="folder for gpu_check.json and gpu_check.txt")
-    # --model/--batch/--seq: the checks' GPT preset and batch; --bench-*: the benchmark's.
-    gpu = dict(model="small", batch=4, seq=256, bench_model="large", bench_batch=8, bench_seq=1024)
-    cpu = dict(model="tiny", batch=2, seq=64, bench_model="tiny", bench_batch=2, bench_seq=64)
-    for key, value in {**(gpu if cuda else cpu), "bench_steps": 20 if cuda else 4}.items():
+    p.add_argument("--out", default=".", help="folder for gpu_check.json, .md and .txt")
+    p.add_argument("--dry-run", action="store_true", help="(gpu_check.sh hides the GPUs)")
+    # --model/--batch/--seq: the checks' GPT preset and batch; --bench-*: the A/B's.
+    gpu = dict(model="small", batch=4, seq=256, bench_model="1b", bench_batch=4, bench_seq=1024)
+    cpu = dict(model="tiny", batch=2, seq=32, bench_model="tiny", bench_batch=1, bench_seq=32)
+    steps = dict(bench_steps=15, bench_warmup=2, profile_steps=3) if cuda else {}
+    steps = steps or dict(bench_steps=2, bench_warmup=1, profile_steps=2)
+    for key, value in {**(gpu if cuda else cpu), **steps}.items():
         p.add_argument("--" + key.replace("_", "-"), type=type(value), default=value)
-    p.add_argument("--bench-precisions", default=",".join(PRECISIONS),
-                   help=f"benchmark rows, comma-separated, of {', '.join(PRECISIONS)}")  # fmt: skip
-    p.add_argument("--skip-bench", action="store_true")
-    p.add_argument("--compile", action="store_true", help="bench flatshard + compiled blocks too")
+    p.add_argument("--bench-precisions", default="bf16",
+                   help=f"A/B rows, comma-separated, of {', '.join(PRECISIONS)}")  # fmt: skip
+    p.add_argument("--ab-modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
+    p.add_argument("--compile", action="store_true", help="A/B flatshard + compiled blocks too")
+    names = [s[0] for s in SECTIONS]
+    p.add_argument("--sections", default=",".join(names), help=f"of {', '.join(names)}")
+    p.add_argument("--skip-bench", action="store_true", help="leave out ab and profiler")
+    deadline = float(os.environ.get("GPU_CHECK_DEADLINE", 0))
+    p.add_argument("--deadline", type=float, default=deadline,
+                   help="epoch seconds by which the report is written (gpu_check.sh)")  # fmt: skip
     args = p.parse_args()
-    unknown = set(args.bench_precisions.split(",")) - set(PRECISIONS)
-    if unknown:
-        p.error(f"--bench-precisions: unknown {sorted(unknown)}; choose among {PRECISIONS}")
+    for flag, value, allowed in (("--bench-precisions", args.bench_precisions, PRECISIONS),
+                                 ("--ab-modes", args.ab_modes, MODES),
+                                 ("--sections", args.sections, names)):  # fmt: skip
+        unknown = set(value.split(",")) - set(allowed)
+        if unknown:
+            p.error(f"{flag}: unknown {sorted(unknown)}; choose among {', '.join(allowed)}")
     return args
 
 
-def verdict(checks: dict, rows: dict) -> tuple[bool, str]:
-    """Whether everything that ran passed, and the closing line's counts."""
-    count = {s: sum(r["status"] == s for r in checks.values()) for s in ("pass", "fail", "skip")}
-    failed_rows = [p for p, row in rows.items() if "error" in row]
-    ok = count["fail"] == 0 and not failed_rows
-    line = f"{'ALL CHECKS PASSED' if ok else 'SOME CHECKS FAILED'} ({count['pass']}/{len(checks)}"
-    line += f", {count['skip']} skipped" if count["skip"] else ""
-    line += f", the benchmark FAILED ({', '.join(failed_rows)})" if failed_rows else ""
-    return ok, line + ")"
+def run_section(name: str, fn, need: float, c: Ctx, args, deadline: float) -> dict:
+    """``fn``'s results with the section's status and seconds; skipped when fewer than
+    ``need`` seconds are left before ``deadline``."""
+    need *= 1.0 if c.cuda else DRY_RUN_NEED
+    left = deadline - time.time()
+    if left < need:
+        say(f"\n== {name}: SKIPPED (budget: {left:.0f}s left, needs ~{need:.0f}s)")
+        return {"status": "skip", "skipped": f"budget: {left:.0f}s left, needs ~{need:.0f}s"}
+    say(f"\n== {name}")
+    t0 = time.perf_counter()
+    try:
+        results = fn(c, args)
+    except Exception:  # the other sections still run
+        results = {name: {"ok": False, "status": "fail", "error": traceback.format_exc()}}
+        say(results[name]["error"])
+    out = {"status": status_of(results), "seconds": time.perf_counter() - t0, "checks": results}
+    say(f"-- {name}: {out['status'].upper()} in {out['seconds']:.1f}s")
+    return out
+
+
+def write(report: dict, out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    with open(os.path.join(out_dir, "gpu_check.md"), "w") as f:
+        f.write(markdown(report))
+    with open(os.path.join(out_dir, "gpu_check.txt"), "w") as f:
+        f.write("\n".join(LINES) + "\n")
 
 
 def main() -> int:
     args = parse_args()
-    device = setup()
+    t0, device = time.time(), setup()
+    deadline = args.deadline or t0 + 400
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU: DRY RUN (no CUDA)"
-    say(f"== flatshard gpu_check: torch {torch.__version__}, {name}, backend "
-        f"{dist.get_backend()}, world {dist.get_world_size()}")  # fmt: skip
-    t0 = time.perf_counter()
-    checks = run_checks(Ctx(device, args.model, args.batch, args.seq))
-    out: dict = {"device": name, "torch": torch.__version__, "checks": checks, "args": vars(args)}
-    if not args.skip_bench:  # a row that dies (out of memory, ...) keeps the rest
-        out["bench"] = bench(device, args)
-    ok, line = verdict(checks, out.get("bench", {}))
-    say(f"\n{line} in {time.perf_counter() - t0:.0f}s")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
-        json.dump(out, f, indent=1, default=str)
-    with open(os.path.join(args.out, "gpu_check.txt"), "w") as f:
-        f.write("\n".join(LINES) + "\n")
+    world = f"backend {dist.get_backend()}, world {dist.get_world_size()}"
+    left = f"{deadline - t0:.0f}s left"
+    say(f"== flatshard gpu_check: torch {torch.__version__}, {name}, {world}, {left}")
+    c = Ctx(device, args.model, args.batch, args.seq)
+    report: dict = {"device": name, "dry_run": not c.cuda, "torch": torch.__version__}
+    report.update(forced_groups=FORCED_WHAT, args=vars(args), sections={})
+    chosen = set(args.sections.split(",")) - ({"ab", "profiler"} if args.skip_bench else set())
+    for section, fn, need in SECTIONS:
+        if section in chosen:
+            report["sections"][section] = run_section(section, fn, need, c, args, deadline)
+            report["seconds"] = time.time() - t0
+            write(report, args.out)
+    failed = [s for s, r in report["sections"].items() if r["status"] == "fail"]
+    report["ok"] = not failed
+    say(f"\n{'ALL SECTIONS PASSED' if not failed else 'FAILED: ' + ', '.join(failed)}"
+        f" in {time.time() - t0:.0f}s")  # fmt: skip
+    report["seconds"] = time.time() - t0
+    write(report, args.out)
     end_process_group()
-    return 0 if ok else 1
+    return 0 if not failed else 1
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
 """What every part of ``bench/gpu_check.py`` shares: the process group, the report lines, the
-base model and batches (``Ctx``) and the one-step parity comparison (``step_parity``)."""
+base model and batches (``Ctx``), the one-step parity comparison (``step_parity``) and the
+running of checks (``run_check``: pass, fail or skip with the reason, never an exception)."""
 
 from __future__ import annotations
 
 import copy
 import datetime
 import os
+import time
+import traceback
 from collections.abc import Callable
 
 import torch
@@ -118,3 +121,46 @@ class Ctx:
         if before is not None:
             before(model)
         return fs.shard(model, policy=fs.wrap.by_type(Block), **kwargs)
+
+
+def run_check(fn, c) -> dict:
+    """``fn(c)`` with its ``status`` (pass, fail, or skip when it returns ``skipped``: why) and
+    its seconds; an exception is a failure with its traceback."""
+    t0 = time.perf_counter()
+    try:
+        r = fn(c)
+    except Exception:  # report it and go on with the other checks
+        r = {"ok": False, "error": traceback.format_exc()}
+    if "skipped" in r:
+        r["ok"], r["status"] = None, "skip"
+    else:
+        r["status"] = "pass" if r["ok"] else "fail"
+    r["seconds"] = time.perf_counter() - t0
+    return r
+
+
+def _brief(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.2e}"
+    if isinstance(value, list) and value and isinstance(value[0], float):
+        return "[" + ",".join(f"{v:.4g}" for v in value) + "]"
+    return str(value).replace(" ", "")
+
+
+def run_checks(checks, c) -> dict:
+    """Each of ``checks`` (``run_check``), one line each: name -> result."""
+    results, quiet = {}, ("ok", "status", "error", "seconds", "skipped")
+    for fn in checks:
+        name = fn.__name__.removeprefix("check_")
+        r = results[name] = run_check(fn, c)
+        brief = " ".join(f"{k}={_brief(v)}" for k, v in r.items() if k not in quiet)
+        say(f"{r['status'].upper():<4}  {name:<26}{r['seconds']:6.1f}s  {r.get('skipped', brief)}")
+        if "error" in r:
+            say(r["error"])
+    return results
+
+
+def status_of(results: dict) -> str:
+    """A group of results: fail if one failed, else pass if one passed, else skip."""
+    statuses = {r.get("status") for r in results.values() if isinstance(r, dict)}
+    return "fail" if "fail" in statuses else "pass" if "pass" in statuses else "skip"
