@@ -24,7 +24,7 @@ import parity_models
 from flatshard.api import get_state
 from flatshard.testing import nccl_semantics as ns
 from flatshard.testing.virtual_device import COMPUTE, VirtualDevice
-from parity_models import CASES, check_parity, named_param_groups, train_parity
+from parity_models import CASES, check_parity, mesh_for, named_param_groups, train_parity
 from patching import patched_attr
 
 _REL_ERR = parity_models.rel_err
@@ -154,6 +154,29 @@ def case_offload_devices(name: str, extra: str, offload: bool = True) -> dict:
     return {"mixed": sorted(set(device.mixed)), "units": len(get_state(model).units)}
 
 
+def case_steady_syncs(name: str, strategy: str, optimizer: str) -> dict:
+    """The device syncs flatshard's own code makes in a steady step (the third), under the
+    virtual compute device: host reads of compute tensors (``.item()``, ``.tolist()``,
+    ``bool()``, ``.cpu()``). Each one drains the device on CUDA."""
+    from flatshard.engine import mesh
+
+    case, device = CASES[name], VirtualDevice()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh_arg = mesh_for(strategy)
+    with patched_attr(mesh, "compute_device", lambda group: COMPUTE), device:
+        torch.manual_seed(0)
+        model = fs.shard(case.build(), policy=case.policy(), strategy=strategy, mesh=mesh_arg)
+        make = fs.optim.Adafactor if optimizer == "adafactor" else torch.optim.AdamW
+        opt = make(model.parameters(), lr=1e-2)
+        for step in range(3):
+            device.syncs.clear()  # the last step's count is what remains
+            batch = case.batch(torch.Generator().manual_seed(step), 2 * world)
+            case.loss(model, batch.chunk(world)[rank].to(COMPUTE)).backward()
+            opt.step()
+            opt.zero_grad()
+    return {"syncs": list(device.syncs)}
+
+
 def case_flatshard_skips_a_gather_wait() -> dict:
     """A mutant flatshard whose ``PendingWork.wait`` returns at once for all-gathers (waited
     only after training): under NCCL it reads the gathered parameters before they arrive."""
@@ -257,6 +280,17 @@ def _devices(results: list, label: str) -> None:
     assert all(r["mixed"] == [] for r in results), results  # ops CUDA would refuse
 
 
+def _no_syncs(results: list, label: str) -> None:
+    # Before session 9: the usage flags' .cpu() at every end of backward (1 per step).
+    assert all(r["syncs"] == [] for r in results), (label, results)
+
+
+def _adafactor_syncs(results: list, label: str) -> None:
+    # Two reads per step (its step-size scalars, the update norms), whatever the number of
+    # parameters; before session 9 one .item() per parameter besides (4 more here).
+    assert all(len(r["syncs"]) <= 2 for r in results), (label, results)
+
+
 def _ran(results: list, label: str) -> None:
     pass
 
@@ -317,6 +351,12 @@ SLICE = [
     spec(2, "devices: offload GradScaler", _devices, "case_offload_devices", "unused", "scaler"),
     spec(2, "devices: no offload", _devices, "case_offload_devices", "lora", "osd", False),
     spec(3, "devices: offload bf16", _devices, "case_offload_devices", "lora", "bf16"),
+    spec(2, "syncs: steady step", _no_syncs, "case_steady_syncs", "gpt_tied", "full_shard",
+         "adamw"),
+    spec(4, "syncs: steady step hybrid", _no_syncs, "case_steady_syncs", "gpt_tied",
+         "hybrid_shard", "adamw"),
+    spec(2, "syncs: adafactor", _adafactor_syncs, "case_steady_syncs", "unused", "full_shard",
+         "adafactor"),
     spec(3, "full_shard gpt_tied", _parity, "parity", "gpt_tied"),
     spec(3, "shard_grad_op unused", _parity, "parity", "unused", "shard_grad_op"),
     spec(3, "no_shard gpt_tied", _parity, "parity", "gpt_tied", "no_shard"),

@@ -35,6 +35,7 @@ from torch.utils import _pytree as pytree
 COMPUTE = torch.device("cpu", 0)
 HOST, DEV = "host", "compute"
 _CROSSING = {"copy_", "__setitem__", "__getitem__", "to", "cpu", "cuda"}  # may mix devices
+_HOST_READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__"}  # a sync
 
 
 def _classify(device) -> str | None:
@@ -52,6 +53,9 @@ class VirtualDevice(TorchFunctionMode):
         super().__init__()
         self._tags: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storage -> tag
         self.mixed: list[str] = []
+        # Reads of compute-device values on the host from flatshard's code (``.item()``,
+        # ``.tolist()``, ``bool()``, a move to the host): each one a device sync on CUDA.
+        self.syncs: list[str] = []
 
     # ---- tags ----------------------------------------------------------------------------
     def tag(self, t: torch.Tensor) -> str:
@@ -80,12 +84,22 @@ class VirtualDevice(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         target = self._target(name, args, kwargs)
+        self._note_sync(name, args, target)
         if name in ("to", "cpu", "cuda") and args and isinstance(args[0], torch.Tensor):
             return self._move(args[0], name, args, kwargs, target)
         self._check_mixed(name, inputs)
         out = func(*args, **_plain_devices(kwargs))
         self._tag_fresh(out, inputs, target or self._inferred(inputs))
         return out
+
+    def _note_sync(self, name: str, args, target: str | None) -> None:
+        """A host read of a compute tensor in flatshard's code: a sync on CUDA."""
+        if not args or not isinstance(args[0], torch.Tensor) or self.tag(args[0]) != DEV:
+            return
+        reads = name in _HOST_READS or (name in ("to", "cpu") and target == HOST)
+        site = _flatshard_site() if reads else "?"
+        if site != "?":
+            self.syncs.append(f"{name} at {site}")
 
     def _target(self, name: str, args, kwargs) -> str | None:
         if kwargs.get("device") is not None:
