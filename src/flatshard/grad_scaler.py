@@ -64,7 +64,7 @@ class _Record:
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0  # world: message
 
 
 class GradScaler:
@@ -329,7 +329,7 @@ def _mesh_groups(optimizer: torch.optim.Optimizer) -> list[dist.ProcessGroup]:
 def _resolve_groups(group: Any) -> list[dist.ProcessGroup]:
     if group is None:
         if dist.is_available() and dist.is_initialized():
-            return [dist.group.WORLD]
+            return [dist.group.WORLD]  # world: plain parameters (no sharded model) only
         return []
     if isinstance(group, dist.ProcessGroup):
         return [group]

@@ -122,7 +122,8 @@ def _agree_or_raise(error: str | None, state: ShardedState) -> None:
     if state.topology.mesh_size > 1:
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     if box[0] is not None:
-        raise ValueError(f"[flatshard rank {dist.get_rank()}] {box[0]}")
+        rank = dist.get_rank()  # world: the global rank names this process in messages
+        raise ValueError(f"[flatshard rank {rank}] {box[0]}")
 
 
 @contextmanager

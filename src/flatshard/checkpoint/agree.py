@@ -45,7 +45,7 @@ def from_rank0(value, group: dist.ProcessGroup | None):
 
 def raise_if(error: str | None, exc_type: type[Exception] = ValueError) -> None:
     if error is not None:
-        rank = dist.get_rank() if dist.is_initialized() else 0
+        rank = dist.get_rank() if dist.is_initialized() else 0  # world: names this process
         raise exc_type(f"[flatshard rank {rank}] {error}")
 
 

@@ -134,7 +134,7 @@ def save(
 def _async_group(group: dist.ProcessGroup, timeout) -> dist.ProcessGroup:
     """A Gloo group over the same ranks for a save that runs in a thread beside training (its
     collectives must not interleave with the training ones). Only the mesh's ranks make it."""
-    if group is dist.group.WORLD:
+    if group is dist.group.WORLD:  # world: the mesh spans every rank (they all make it)
         return dist.new_group(backend="gloo", timeout=timeout)
     ranks = dist.get_process_group_ranks(group)
     return dist.new_group(ranks, backend="gloo", timeout=timeout, use_local_synchronization=True)
@@ -192,13 +192,15 @@ def _check_ranks_agree(
     mine = (hashlib.sha256(text.encode()).hexdigest(), error and f"{error}", type(error).__name__)
     gathered = [mine] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
+    rank_now = dist.get_rank()  # world: the global rank names this process in messages
     for rank, (_, message, kind) in enumerate(gathered):
         if message is not None:
             exc_type = TypeError if kind == "TypeError" else ValueError
-            raise exc_type(f"[flatshard rank {dist.get_rank()}] rank {rank}: {message}")
+            source = dist.get_global_rank(group, rank)  # the group's rank as a global one
+            raise exc_type(f"[flatshard rank {rank_now}] rank {source}: {message}")
     if len({digest for digest, _, _ in gathered}) > 1:
         raise ValueError(
-            f"[flatshard rank {dist.get_rank()}] ranks disagree on what to save (model, "
+            f"[flatshard rank {rank_now}] ranks disagree on what to save (model, "
             "optimizer state keys or param groups differ); every rank must save the same "
             "model and an optimizer built the same way"
         )

@@ -84,7 +84,7 @@ class PendingWork:
             else:  # see _bounded_wait: the watchdog and the group's own timeout catch a hang
                 self.work.wait()
         except RuntimeError as err:
-            rank = dist.get_rank() if dist.is_initialized() else 0
+            rank = dist.get_rank() if dist.is_initialized() else 0  # world: names this process
             raise RuntimeError(
                 f"[flatshard rank {rank}] {self.op} did not complete within {timeout}: a peer "
                 f"rank may have died or issued a different collective. Cause: {err}"

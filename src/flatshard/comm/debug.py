@@ -36,7 +36,8 @@ class OpChecker:
         descriptions: list[str | None] = [None] * world
         dist.all_gather_object(descriptions, f"#{seq}: {what}", group=group)
         lines = "; ".join(f"group rank {r} issues {d}" for r, d in enumerate(descriptions))
+        rank = dist.get_rank()  # world: the global rank names this process in messages
         raise RuntimeError(
-            f"[flatshard rank {dist.get_rank()}] collective mismatch (FLATSHARD_DEBUG): {lines}. "
+            f"[flatshard rank {rank}] collective mismatch (FLATSHARD_DEBUG): {lines}. "
             "Every rank must run the same forward/backward/state-dict calls in the same order."
         )

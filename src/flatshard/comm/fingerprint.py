@@ -27,7 +27,7 @@ def check_ranks_agree(lines: list[str], group: dist.ProcessGroup | None) -> None
         return
     everyone: list[list[str] | None] = [None] * world
     dist.all_gather_object(everyone, lines, group=group)
-    rank = dist.get_rank()
+    rank = dist.get_rank()  # world: the global rank names this process in messages
     raise ValueError(
         f"[flatshard rank {rank}] ranks disagree on the model: {_first_diff(everyone, group)}"
     )

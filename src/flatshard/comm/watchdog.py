@@ -235,7 +235,7 @@ _NEXT = {
 def describe(entry: Entry, age_s: float, bound: float, dog: Watchdog, in_flight: int) -> str:
     """The one message: who waits, on what, since when, and what to check."""
     try:
-        rank = dist.get_rank() if dist.is_initialized() else 0
+        rank = dist.get_rank() if dist.is_initialized() else 0  # world: names this process
     except RuntimeError:
         rank = "?"
     label = f" '{entry.label}'" if entry.label else ""

@@ -102,13 +102,7 @@ def _host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     (kept per rank set, like the 2-D mesh groups)."""
     if "gloo" in str(dist.get_backend(group)):
         return group
-    ranks = tuple(dist.get_process_group_ranks(group))
-    key = (id(dist.group.WORLD), ranks, "gloo")
-    if key not in _MESH_GROUPS:
-        _MESH_GROUPS[key] = dist.new_group(
-            list(ranks), backend="gloo", use_local_synchronization=True
-        )
-    return _MESH_GROUPS[key]
+    return _members_group(tuple(dist.get_process_group_ranks(group)), "gloo")
 
 
 def _mesh_groups(mesh, strategy: ShardingStrategy, ndim: int) -> list[dist.ProcessGroup]:
@@ -122,26 +116,30 @@ def _whole_mesh_group(mesh) -> dist.ProcessGroup:
     ranks take part in making it, so a mesh that is one slice of a bigger job never waits on
     the others)."""
     ranks = tuple(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
-    if len(ranks) == dist.get_world_size():
-        return dist.group.WORLD
-    key = (id(dist.group.WORLD), ranks)
+    if len(ranks) == dist.get_world_size():  # world: does the mesh span every rank?
+        return dist.group.WORLD  # world: the mesh spans every rank, so its group is the world
+    return _members_group(ranks, str(dist.get_backend(mesh.get_group(0))))
+
+
+def _members_group(ranks: tuple[int, ...], backend: str) -> dist.ProcessGroup:
+    """A ``backend`` group over ``ranks`` that only those ranks take part in making, made
+    once per (ranks, backend) and kept, so sharding many models over one mesh makes one."""
+    key = (id(dist.group.WORLD), ranks, backend)  # world: a new init_process_group starts afresh
     if key not in _MESH_GROUPS:
-        backend = dist.get_backend(mesh.get_group(0))
         _MESH_GROUPS[key] = dist.new_group(
             list(ranks), backend=backend, use_local_synchronization=True
         )
     return _MESH_GROUPS[key]
 
 
-# Groups over the ranks of 2-D meshes, kept so that sharding many models over one mesh makes
-# one group (keyed by the default group too: a new init_process_group starts afresh).
+# The groups ``_members_group`` made, by (default group, ranks, backend).
 _MESH_GROUPS: dict[tuple, dist.ProcessGroup] = {}
 
 
 def _one_group(mesh, strategy: ShardingStrategy) -> dist.ProcessGroup:
     """The group of a 1-D layout: the world, a 1-D DeviceMesh or a ProcessGroup."""
     if mesh is None:
-        return dist.group.WORLD
+        return dist.group.WORLD  # world: mesh=None means all ranks, by the public contract
     if isinstance(mesh, dist.ProcessGroup):
         return mesh
     from torch.distributed.device_mesh import DeviceMesh
