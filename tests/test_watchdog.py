@@ -257,7 +257,9 @@ def test_rank_0_names_the_all_reduce_rank_1_skipped(strict_pools) -> None:  # no
     assert zero["sum"] == one["sum"] == [2.0] * 3, got  # completed once rank 1 issued it
     assert one["reports"] == [] and one["stderr"] == "", one  # its collectives completed
     (message,) = zero["reports"]
-    assert 2.0 <= zero["seen_after"] < 4.0, zero["seen_after"]  # flatshard's 2 s timeout
+    # Not before its 2 s bound (the report itself shows it fired within the 10 s poll; no
+    # upper bound here: timings live in bench/, a loaded box only delays the report).
+    assert zero["seen_after"] >= 2.0, zero["seen_after"]
     assert message.startswith(
         f"[flatshard rank 0] watchdog: all_reduce '{LABEL}' over ranks [0, 1]"
     )
