@@ -36,6 +36,8 @@ def sample(pid: int, step: int) -> Sample | None:
     except OSError:
         return None
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    if "VmRSS" not in fields:  # a process that is exiting (a zombie) has no memory left
+        return None
     rss_mb = int(fields["VmRSS"].split()[0]) / 1024
     return step, rss_mb, int(fields["Threads"]), fds
 
