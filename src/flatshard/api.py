@@ -21,6 +21,7 @@ from .engine.mesh import require_initialized, resolve_topology
 from .engine.meta_init import InitFn
 from .engine.state import STATE_ATTR, ShardedState, get_state  # noqa: F401 (re-exported)
 from .engine.strategy import ShardingStrategy
+from .engine.tensor_parallel import data_parallel_mesh, tp_groups
 from .offload import CPUOffload
 from .optim.guard import guard_optimizers
 from .params import tag_fragments
@@ -66,11 +67,13 @@ def shard(
         coalesce, split_root,
     )  # fmt: skip
     require_initialized()
-    topology = resolve_topology(options.strategy, mesh)
+    topology = resolve_topology(options.strategy, data_parallel_mesh(model, mesh))
     plan = wrap_plan(model, policy)
     switches = Switches.from_environ()
     check_ranks_agree([*switches.describe(), *describe(model, plan, options)], topology.mesh_group)
+    tp = tp_groups(model, topology)  # before build_state replaces the DTensor parameters
     state = build_state(model, plan, topology, switches, options)
+    state.tp = tp
     tag_fragments(state)
     guard_optimizers()
     hooks.register_hooks(state)

@@ -8,6 +8,13 @@ are partial.) A flat layout has plain tensors, so flatshard cannot make torch's 
 global; ``fs.clip_grad_norm_`` takes the same arguments (parameters or the model, max_norm,
 norm_type, error_if_nonfinite, foreach), so porting is a change of module name, and the
 README says so loudly.
+
+[Note: the norm over both axes]
+With tensor parallelism (engine/tensor_parallel.py) a parameter sharded over tp has a
+different part on each tp rank, while a replicated one (a SequenceParallel norm) is the same
+on all of them. Each rank sums the p-th powers of its gradients in two parts; both are summed
+over the data-parallel ranks, the tp-sharded part over the tp ranks as well: every element
+is counted once, as in the single-process norm.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from torch import nn
 
 from .comm.collectives import all_reduce
 from .engine.state import get_state
-from .params import state_of_parameters
+from .params import fragment_tag, state_of_parameters
 
 
 @torch.no_grad()
@@ -44,23 +51,29 @@ def clip_grad_norm_(
     norm_type = float(norm_type)
     if norm_type <= 0:
         raise ValueError(f"norm_type={norm_type} must be positive (2.0, 1.0 or float('inf'))")
-    grads = [p.grad for p in params if p.grad is not None and p.grad.numel()]
+    with_grad = [p for p in params if p.grad is not None and p.grad.numel()]
+    grads = [p.grad for p in with_grad]
     device = state.device if state is not None else torch.device("cpu")
-    local = torch.zeros((), dtype=torch.float32, device=device)
+    # [sharded over tp, the rest]: see [Note: the norm over both axes]
+    tp_sharded = [_is_tp_sharded(p) for p in with_grad]
+    # fp32 at least (bf16 gradients' norms would round), fp64 for fp64 gradients
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    local = torch.zeros(2, dtype=dtype, device=device)
     if grads:
-        norms = torch._foreach_norm(grads, norm_type) if foreach is not False else None
-        if norms is None:
-            norms = [torch.linalg.vector_norm(g, norm_type) for g in grads]
-        stacked = torch.stack([n.to(torch.float32) for n in norms])
-        local = stacked.max() if norm_type == float("inf") else stacked.pow(norm_type).sum()
+        local = _local_powers(grads, tp_sharded, norm_type, foreach, dtype)
     if state is None:  # no parameter at all (on every rank alike): nothing to clip
-        return local
+        return local.sum()
     inf = norm_type == float("inf")
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     # On the compute device whatever the gradients' (CPUOffload keeps them on the host, and
     # NCCL reduces device tensors only): every rank hands the collective the same kind.
     local = local.to(device)
     all_reduce(local, state.group, state.stats, op=op, name="norm_all_reduce")
+    if state.tp is not None:
+        sharded = local[:1].clone()
+        all_reduce(sharded, state.tp.group, state.stats, op=op, name="norm_all_reduce_tp")
+        local = torch.cat([sharded, local[1:]])
+    local = local.max() if inf else local.sum()
     total = local if inf else local.pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
@@ -71,6 +84,28 @@ def clip_grad_norm_(
     if grads:
         torch._foreach_mul_(grads, clip_coef.to(grads[0].device, grads[0].dtype))
     return total
+
+
+def _local_powers(
+    grads: list, tp_sharded: list[bool], norm_type: float, foreach, dtype: torch.dtype
+) -> torch.Tensor:
+    """[sum of |g|^p over tp-sharded gradients, over the others] (max for the inf-norm);
+    the two parts are summed separately in Python lists, never by a device-side mask (no
+    host-to-device copy)."""
+    norms = torch._foreach_norm(grads, norm_type) if foreach is not False else None
+    if norms is None:
+        norms = [torch.linalg.vector_norm(g, norm_type) for g in grads]
+    norms = [n.to(dtype) for n in norms]
+    zero = torch.zeros((), dtype=dtype, device=norms[0].device)
+    parts = [[n for n, s in zip(norms, tp_sharded, strict=True) if s == want] for want in (1, 0)]
+    if norm_type == float("inf"):
+        return torch.stack([torch.stack(p).max() if p else zero for p in parts])
+    return torch.stack([torch.stack(p).pow(norm_type).sum() if p else zero for p in parts])
+
+
+def _is_tp_sharded(param: torch.Tensor) -> bool:
+    tag = fragment_tag(param)
+    return tag is not None and tag.tp is not None and tag.tp.is_sharded
 
 
 def _parameters_and_state(parameters) -> tuple[list[torch.Tensor], object]:

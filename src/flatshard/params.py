@@ -32,6 +32,9 @@ class FragmentTag:
     group: int  # index into that unit's groups
     index: int  # index into that group's specs
     state: weakref.ReferenceType  # the ShardedState of the model the fragment belongs to
+    # A tensor-parallel parameter's TPSpec (engine/tensor_parallel.py): ``full_shape`` and
+    # ``flat_range`` then describe its TP-local tensor, ``tp.shape`` the global one.
+    tp: object = None
 
     @property
     def full_numel(self) -> int:
@@ -66,7 +69,7 @@ def tag_fragments(state: ShardedState) -> None:
         for gi, group in enumerate(unit.groups):
             for pi, spec in enumerate(group.specs):
                 where = group.fragment_range(spec)
-                tag = FragmentTag(spec.shape, where, unit.index, gi, pi, ref)
+                tag = FragmentTag(spec.shape, where, unit.index, gi, pi, ref, group.tp[pi])
                 setattr(spec.fragment, TAG, tag)
 
 
@@ -80,9 +83,12 @@ def is_fragment(param: torch.Tensor) -> bool:
 
 
 def full_shape(param: torch.Tensor) -> torch.Size:
-    """The shape ``param`` had before ``fs.shard`` (its own shape if it is not a fragment)."""
+    """The shape ``param`` had before ``fs.shard`` (its own shape if it is not a fragment);
+    for a tensor-parallel parameter its global shape (over every tp rank)."""
     tag = fragment_tag(param)
-    return param.shape if tag is None else tag.full_shape
+    if tag is None:
+        return param.shape
+    return tag.full_shape if tag.tp is None else tag.tp.shape
 
 
 def fragment_info(model: nn.Module) -> dict[str, FragmentInfo]:

@@ -20,6 +20,7 @@ from torch import nn
 from .comm.collectives import broadcast
 from .engine.masters import master_views
 from .engine.state import ShardedState, StateMode, get_state
+from .engine.tensor_parallel import full_tensor, is_dtensor, local_part
 from .engine.unit import Unit
 from .params import fragment_tag, full_shape, is_fragment
 
@@ -39,13 +40,15 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for unit in state.units:  # the fp32 masters under mixed precision, see engine/masters.py
         with master_views(state, unit) as views:
-            if is_rank0:
+            if is_rank0:  # with TP, the tp peers of the mesh's first rank gather together
                 for key, gi, pi in keys_of_unit.get(unit.index, []):
-                    out[key] = views[gi][pi].to("cpu", copy=True)
+                    whole = full_tensor(views[gi][pi], unit.groups[gi].tp[pi])
+                    out[key] = whole.to("cpu", copy=True)
     if not is_rank0:
         return {}
     for key, value in refs.items():
         if key not in out:
+            value = value.full_tensor() if is_dtensor(value) else value  # a DTensor buffer
             out[key] = value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
     return {key: out[key] for key in refs}
 
@@ -61,7 +64,7 @@ def load_full_state_dict(model: nn.Module, sd: dict, *, strict: bool = True) -> 
     """
     state = get_state(model)
     state.reshard_all()
-    is_source = state.topology.is_mesh_first
+    is_source = state.topology.is_mesh_first and (state.tp is None or state.tp.is_tp_first)
     refs = model.state_dict(keep_vars=True)
     shapes = {k: full_shape(v) for k, v in refs.items() if torch.is_tensor(v)}
     _agree_or_raise(_check_full_sd(sd, shapes, strict) if is_source else None, state)
@@ -76,6 +79,7 @@ def load_full_state_dict(model: nn.Module, sd: dict, *, strict: bool = True) -> 
         if torch.is_tensor(value) and not is_fragment(value):
             source = sd[key].to(value.device, value.dtype) if is_source else value.detach()
             buf = source.contiguous().clone()
+            _to_tp_peers(buf, state)
             _from_mesh_first(buf, state)
             value.copy_(buf)
 
@@ -85,12 +89,27 @@ def _from_mesh_first(tensor: torch.Tensor, state: ShardedState) -> None:
     broadcast(tensor, 0, state.topology.mesh_group, state.stats)  # no-op on a mesh of one
 
 
+def _to_tp_peers(tensor: torch.Tensor, state: ShardedState) -> None:
+    """With TP: the model's first rank's ``tensor`` on its tp peers (the other first ranks
+    of their dp meshes), before each broadcasts over its own dp mesh."""
+    if state.tp is not None and state.topology.is_mesh_first:
+        broadcast(tensor, 0, state.tp.group, state.stats)
+
+
 def _load_group(group, sd: dict, first_key: dict, is_source: bool, state: ShardedState) -> None:
     full = torch.zeros(group.padded_numel, dtype=group.dtype, device=group.device)
-    if is_source:
-        for spec in group.specs:
-            src = sd[first_key[id(spec.fragment)]]
-            full[spec.offset : spec.offset + spec.numel].copy_(src.reshape(-1))
+    on_tp_peers = state.tp is not None and state.topology.is_mesh_first
+    for spec, tp in zip(group.specs, group.tp, strict=True):
+        if not (is_source or on_tp_peers):
+            break
+        shape = spec.shape if tp is None else tp.shape
+        src = sd[first_key[id(spec.fragment)]] if is_source else None
+        src = src.to(group.device, group.dtype) if src is not None else None
+        if on_tp_peers:  # the whole parameter on every tp peer, then each keeps its part
+            src = src.contiguous() if src is not None else torch.empty(shape, dtype=group.dtype)
+            _to_tp_peers(src, state)
+            src = local_part(src, tp)
+        full[spec.offset : spec.offset + spec.numel].copy_(src.reshape(-1))
     _from_mesh_first(full, state)
     lo = group.rank * group.shard_numel
     group.shard.copy_(full[lo : lo + group.shard_numel])
@@ -118,8 +137,8 @@ def _check_full_sd(sd: dict, shapes: dict, strict: bool) -> str | None:
 
 def _agree_or_raise(error: str | None, state: ShardedState) -> None:
     box = [error]
-    group = state.topology.mesh_group
-    if state.topology.mesh_size > 1:
+    group = state.topology.mesh_group if state.tp is None else state.tp.model_group
+    if dist.get_world_size(group) > 1:
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     if box[0] is not None:
         rank = dist.get_rank()  # world: the global rank names this process in messages
@@ -157,7 +176,7 @@ def summon_full_params(
         for unit in state.units:
             state.ensure_gathered(unit)
             if holds_full:
-                unit.install_views([g.full_views() for g in unit.groups])
+                unit.install_views(unit.as_parameters([g.full_views() for g in unit.groups]))
             else:
                 unit.reshard(state.timeout)
     previous, state.mode = state.mode, StateMode.SUMMONED

@@ -23,6 +23,7 @@ from .meta_init import check_nothing_on_meta, has_meta, materialize_unit
 from .root_split import tail_parameters
 from .state import ShardedState
 from .strategy import reshards_after_forward
+from .tensor_parallel import spec_of
 from .unit import Unit, UnitRole
 
 
@@ -69,7 +70,9 @@ def describe(model: nn.Module, plan: WrapPlan, options: ShardOptions) -> list[st
     lines = [f"strategy={options.strategy.value}", f"mixed_precision={options.mixed_precision!r}"]
     lines += [f"unit {unit_names[id(m)]}" for m in plan.unit_modules]
     for name, p in model.named_parameters():
-        lines.append(f"param {name} {tuple(p.shape)} {p.dtype} grad={p.requires_grad}")
+        tp = spec_of(p)
+        where = "" if tp is None else f" tp={tp.describe()}"
+        lines.append(f"param {name} {tuple(p.shape)} {p.dtype} grad={p.requires_grad}{where}")
     for name, b in model.named_buffers():
         lines.append(f"buffer {name} {tuple(b.shape)} {b.dtype}")
     lines += [f"reshard_root={options.reshard_root}", f"split_root={options.split_root}"]

@@ -27,6 +27,7 @@ from ..offload import CPUOffload, pin_if_useful, storage_device
 from ..precision import MixedPrecision, compute_dtype, reduce_dtype
 from .gather_pool import GatheredBytes, GatherPool
 from .layout import FlatLayout, align_elements
+from .tensor_parallel import TPSpec, local_of, spec_of
 
 
 @dataclass
@@ -56,10 +57,15 @@ class FlatGroup:
         label: str = "",
     ) -> None:
         self.label = label  # names the group in debug-mode mismatch reports
+        # Tensor-parallel parameters are laid out by their TP-local tensors (see [Note:
+        # tensor-parallel parameters] in tensor_parallel.py).
+        self.tp: list[TPSpec | None] = [spec_of(p) for p in params]
+        self.has_tp = any(s is not None for s in self.tp)
+        self.requires_grad = params[0].requires_grad
+        params = [local_of(p) for p in params]
         self.dtype = params[0].dtype  # of the shard: what the optimizer steps on
         self.compute_dtype = compute_dtype(self.dtype, mixed_precision)  # of the full buffer
         self.reduce_dtype = reduce_dtype(self.dtype, mixed_precision)  # of the communication
-        self.requires_grad = params[0].requires_grad
         self.device = device  # where the gathered buffer lives and compute happens
         self.offloaded = offload is not None and offload.params
         self.storage = storage_device(device, offload)  # where the shard lives
@@ -103,7 +109,7 @@ class FlatGroup:
             if hi > lo and param.device.type != "meta":
                 start, end = self.layout.fragment_range(place)
                 self.shard[lo:hi].copy_(param.detach().reshape(-1)[start:end])
-            fragment = nn.Parameter(self.shard[lo:hi], requires_grad=param.requires_grad)
+            fragment = nn.Parameter(self.shard[lo:hi], requires_grad=self.requires_grad)
             specs.append(ParamSpec(place.shape, place.offset, place.numel, lo, hi, fragment))
         return specs
 

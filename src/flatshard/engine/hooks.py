@@ -70,7 +70,7 @@ def make_views(
     ``UnitViews`` node they come from (None without one)."""
     trainable = unit.trainable_groups
     if not (trainable and torch.is_grad_enabled()):
-        return [g.full_views() for g in unit.groups], None
+        return unit.as_parameters([g.full_views() for g in unit.groups]), None
     outs = UnitViews.apply(unit.anchor, state, unit, counted)
     it = iter(outs)
     views = [
@@ -78,7 +78,7 @@ def make_views(
     ]
     if counted:
         unit.grad.pending_nodes += 1
-    return views, outs[0].grad_fn
+    return unit.as_parameters(views), outs[0].grad_fn
 
 
 def register_hooks(state: ShardedState) -> list[Any]:
@@ -123,6 +123,8 @@ def _pre_forward(state: ShardedState, unit: Unit, module, args, kwargs):
     if state.mode is StateMode.SUMMONED:  # full parameters installed; no collective may run
         return None
     kind = recompute.classify_call(unit)
+    if kind is CallKind.FORWARD and unit.forward_depth == 0:
+        _check_fragments_in_place(unit)
     if unit.is_tail and kind is CallKind.FORWARD:
         return _pre_forward_tail(state, unit)
     state.gather_for_step(unit)
@@ -142,6 +144,20 @@ def _pre_forward(state: ShardedState, unit: Unit, module, args, kwargs):
     unit.forward_depth += 1
     unit.calls.append(Call(kind, node))
     return None
+
+
+def _check_fragments_in_place(unit: Unit) -> None:
+    """At rest every place holds its fragment; a parameter registered over one after
+    ``fs.shard`` (typically a tensor-parallel plan applied too late) would be silently
+    overwritten by the gathered views."""
+    replaced = unit.replaced_parameter()
+    if replaced is not None:
+        raise RuntimeError(
+            f"flatshard: parameter {replaced} of unit {unit.index} was replaced after fs.shard "
+            "(parallelize_module after sharding does this: it registers new DTensor "
+            "parameters); apply parallelize_module, and any other change of parameters, "
+            "before fs.shard"
+        )
 
 
 def _pre_forward_tail(state: ShardedState, unit: Unit) -> None:

@@ -115,8 +115,13 @@ def placeholders(unit: Unit, views: Callable[[], list[list[torch.Tensor]]]) -> l
     (``views`` gathers and builds the recompute views once, on first use)."""
     return [
         [
-            OnDemand(s.shape, g.compute_dtype, g.device, lambda gi=gi, pi=pi: views()[gi][pi])
-            for pi, s in enumerate(g.specs)
+            OnDemand(
+                s.shape if tp is None else tp.shape,  # a TP parameter resolves to its DTensor
+                g.compute_dtype,
+                g.device,
+                lambda gi=gi, pi=pi: views()[gi][pi],
+            )
+            for pi, (s, tp) in enumerate(zip(g.specs, g.tp, strict=True))
         ]
         for gi, g in enumerate(unit.groups)
     ]

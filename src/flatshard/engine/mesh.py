@@ -102,7 +102,7 @@ def _host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     (kept per rank set, like the 2-D mesh groups)."""
     if "gloo" in str(dist.get_backend(group)):
         return group
-    return _members_group(tuple(dist.get_process_group_ranks(group)), "gloo")
+    return members_group(tuple(dist.get_process_group_ranks(group)), "gloo")
 
 
 def _mesh_groups(mesh, strategy: ShardingStrategy, ndim: int) -> list[dist.ProcessGroup]:
@@ -118,10 +118,10 @@ def _whole_mesh_group(mesh) -> dist.ProcessGroup:
     ranks = tuple(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
     if len(ranks) == dist.get_world_size():  # world: does the mesh span every rank?
         return dist.group.WORLD  # world: the mesh spans every rank, so its group is the world
-    return _members_group(ranks, str(dist.get_backend(mesh.get_group(0))))
+    return members_group(ranks, str(dist.get_backend(mesh.get_group(0))))
 
 
-def _members_group(ranks: tuple[int, ...], backend: str) -> dist.ProcessGroup:
+def members_group(ranks: tuple[int, ...], backend: str) -> dist.ProcessGroup:
     """A ``backend`` group over ``ranks`` that only those ranks take part in making, made
     once per (ranks, backend) and kept, so sharding many models over one mesh makes one."""
     key = (id(dist.group.WORLD), ranks, backend)  # world: a new init_process_group starts afresh
@@ -132,7 +132,7 @@ def _members_group(ranks: tuple[int, ...], backend: str) -> dist.ProcessGroup:
     return _MESH_GROUPS[key]
 
 
-# The groups ``_members_group`` made, by (default group, ranks, backend).
+# The groups ``members_group`` made, by (default group, ranks, backend).
 _MESH_GROUPS: dict[tuple, dist.ProcessGroup] = {}
 
 

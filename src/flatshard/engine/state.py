@@ -104,6 +104,7 @@ class ShardedState:
         self._reduced: list[PendingReduce] = []
         self.final_callback_queued = False
         self.mode = StateMode.TRAIN
+        self.tp = None  # the model's tensor_parallel.TPGroups, if it has TP parameters
         self.gathered_bytes = GatheredBytes()
         for g in (g for u in units for g in u.groups if not g.replicated):
             g.account = self.gathered_bytes
@@ -117,7 +118,8 @@ class ShardedState:
             g for u in self.units if u.reshard_after_forward and not u.regather_on_demand
             for g in u.groups
         ]  # fmt: skip
-        pooled = [g for g in pooled if not g.replicated]
+        # TP groups keep their own buffer: see [Note: tensor-parallel parameters].
+        pooled = [g for g in pooled if not (g.replicated or g.has_tp)]
         if not pooled:
             return None
         pool = GatherPool(self.buffers_kept, self.gathered_bytes)

@@ -26,6 +26,7 @@ from .flat_group import FlatGroup
 from .gather import start_gather
 from .mesh import Topology
 from .reduce import PendingReduce, flat_grad_from, reduce_group, reduces_pieces, zeros_flat_grad
+from .tensor_parallel import wrap_views
 
 
 class UnitRole(enum.Enum):
@@ -96,6 +97,7 @@ class Unit:
             label = f"unit {index} ({type(module).__name__}) group {len(self.groups)}"
             self._add_group(members, slots_by_param, label, mixed_precision, offload)
         self.trainable_groups = [i for i, g in enumerate(self.groups) if g.requires_grad]
+        self.has_tp = any(g.has_tp for g in self.groups)
         # A zero-size leaf that makes autograd call ``UnitViews.backward`` (see hooks.py).
         self.anchor = torch.empty(0, device=device, requires_grad=True)
         self.state = ParamState.SHARDED
@@ -163,6 +165,24 @@ class Unit:
     def install_views(self, views: list[list[torch.Tensor]]) -> None:
         for slot in self.slots:
             slot.module._parameters[slot.name] = views[slot.group][slot.index]
+
+    def as_parameters(self, views: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """Full views as the module's parameters: tensor-parallel ones as their DTensors
+        (see [Note: tensor-parallel parameters] in tensor_parallel.py)."""
+        if not self.has_tp:
+            return views
+        return wrap_views(views, [g.tp for g in self.groups])
+
+    def replaced_parameter(self) -> str | None:
+        """The first place whose parameter is no longer this unit's fragment (something
+        registered a new parameter after ``fs.shard``), as ``Module.name``; None if none."""
+        for slot in self.slots:
+            if (
+                slot.module._parameters.get(slot.name)
+                is not self.groups[slot.group].specs[slot.index].fragment
+            ):
+                return f"{type(slot.module).__name__}.{slot.name}"
+        return None
 
     # ---- gather / release --------------------------------------------------------------------
     def start_gather(self) -> None:
