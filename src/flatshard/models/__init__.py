@@ -21,3 +21,4 @@ __all__ = [
     "generate",
     "positions_from_cu_seqlens",
 ]
+from flatshard.models.moe import Experts, MoEConfig, MoEGPT, shard_experts  # noqa: F401

@@ -25,7 +25,9 @@ class Attention(nn.Module):
     """Causal self-attention with RoPE and optional grouped-query attention.
 
     Padded batches (``cu_seqlens=None``) use ``F.scaled_dot_product_attention``; packed batches use
-    :func:`flatshard.packing.varlen_attention`, causal within each document.
+    :func:`flatshard.packing.varlen_attention`, causal within each document. ``n_heads`` and
+    ``n_kv_heads`` are the model's counts; a tensor-parallel rank holds a share of them
+    (:mod:`flatshard.models.tensor_parallel`), so shapes are read from the tensors instead.
     """
 
     def __init__(self, config: GPTConfig) -> None:
@@ -50,11 +52,13 @@ class Attention(nn.Module):
         max_seqlen: int | None = None,
     ) -> torch.Tensor:
         """``x [B, T, C]`` -> ``[B, T, C]``; ``cos``/``sin`` ``[B|1, T, 1, D/2]`` (from RoPE)."""
-        B, T, C = x.shape
-        H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
-        q = self.q_proj(x).view(B, T, H, D)  # [B, T, H, D]
-        k = self.k_proj(x).view(B, T, KV, D)  # [B, T, KV, D]
-        v = self.v_proj(x).view(B, T, KV, D)  # [B, T, KV, D]
+        # Head counts come from the projections' outputs, never from n_heads: under tensor
+        # parallelism (models/tensor_parallel.py) q/k/v hold only this rank's heads.
+        B, T, _ = x.shape
+        D = self.head_dim
+        q = self.q_proj(x).view(B, T, -1, D)  # [B, T, H, D]
+        k = self.k_proj(x).view(B, T, -1, D)  # [B, T, KV, D]
+        v = self.v_proj(x).view(B, T, -1, D)  # [B, T, KV, D]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # [B, T, H|KV, D]
         if cu_seqlens is None:
             y = F.scaled_dot_product_attention(
@@ -62,12 +66,12 @@ class Attention(nn.Module):
                 k.transpose(1, 2),  # [B, KV, T, D]
                 v.transpose(1, 2),  # [B, KV, T, D]
                 is_causal=True,
-                enable_gqa=KV != H,
+                enable_gqa=k.shape[2] != q.shape[2],
             )  # [B, H, T, D]
             y = y.transpose(1, 2)  # [B, T, H, D]
         else:
             y = self._varlen(q, k, v, cu_seqlens, max_seqlen)  # [B, T, H, D]
-        y = y.reshape(B, T, C)  # [B, T, C]
+        y = y.reshape(B, T, -1)  # [B, T, H*D]  (= C unless tensor-parallel)
         return self.o_proj(y)  # [B, T, C]
 
     def _varlen(
@@ -83,7 +87,7 @@ class Attention(nn.Module):
         from flatshard.packing import varlen_attention
 
         B, T, H, D = q.shape
-        KV = self.n_kv_heads  # varlen_attention handles grouped-query heads itself
+        KV = k.shape[2]  # varlen_attention handles grouped-query heads itself
         if max_seqlen is None:  # a host sync; GPT.forward computes it once for all layers
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         y = varlen_attention(

@@ -162,9 +162,22 @@ class GPT(nn.Module):
         across ranks or micro-batches; ``"mean"`` averages over the non-ignored labels here.
         """
         flat = logits.reshape(-1, logits.shape[-1]).float()  # [N, V]
-        return F.cross_entropy(
-            flat, labels.reshape(-1), ignore_index=ignore_index, reduction=reduction
-        )
+        try:
+            return F.cross_entropy(
+                flat, labels.reshape(-1), ignore_index=ignore_index, reduction=reduction
+            )
+        except RuntimeError as error:
+            from torch.distributed.tensor import DTensor  # only a tensor-parallel model gets here
+
+            if not isinstance(flat, DTensor):
+                raise
+            # Vocabulary-split logits (parallelize_gpt(loss_parallel=True)) need torch's
+            # loss-parallel operators; outside the context DTensor only says "mixed tensors".
+            raise ValueError(
+                "the logits are split over the vocabulary (parallelize_gpt(..., "
+                "loss_parallel=True)); compute the loss and run its backward inside "
+                "`with torch.distributed.tensor.parallel.loss_parallel():`"
+            ) from error
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Parameter count (tied weights once); see :meth:`GPTConfig.num_params`."""
