@@ -22,6 +22,7 @@ from torch import nn
 from .comm.collectives import all_gather_into, broadcast
 from .engine.compile_boundary import plain_name
 from .engine.state import get_state
+from .engine.tensor_parallel import refuse_tp
 
 __all__ = ["full_optimizer_state_dict", "load_full_optimizer_state_dict"]
 
@@ -68,6 +69,7 @@ def _groups(model: nn.Module) -> Iterator[tuple[object, object]]:
 def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """Rank 0: ``optimizer``'s full state keyed by parameter name; other ranks ``{}``.
     Every rank must call it (it gathers)."""
+    refuse_tp(get_state(model), "fs.full_optimizer_state_dict")
     names, timeout = _names(model), get_state(model).timeout
     out: dict[str, dict] = {}
     for unit, group in _groups(model):
@@ -120,6 +122,7 @@ def load_full_optimizer_state_dict(
     into ``optimizer``'s fragments, and rank 0's hyperparameters into its param groups. Every
     rank must call it; the optimizer must have the saving one's param groups."""
     names = _names(model)
+    refuse_tp(get_state(model), "fs.load_full_optimizer_state_dict")
     mesh = get_state(model).topology
     is_rank0 = mesh.is_mesh_first
     saved = osd.get("state", {}) if is_rank0 else {}

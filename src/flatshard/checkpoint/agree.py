@@ -19,7 +19,9 @@ def model_group(model: nn.Module) -> dist.ProcessGroup:
     """The group ``model``'s checkpoints run over: every rank of its mesh (module docstring)."""
     from ..engine.state import get_state
 
-    return get_state(model).topology.mesh_group
+    state = get_state(model)
+    # With tensor parallelism every tp rank writes its own blocks: the plan spans dp x tp.
+    return state.topology.mesh_group if state.tp is None else state.tp.model_group
 
 
 def first_error(error: str | None, group: dist.ProcessGroup | None) -> str | None:

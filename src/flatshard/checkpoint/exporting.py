@@ -18,6 +18,7 @@ from torch import nn
 
 from ..engine.masters import master_views
 from ..engine.state import get_state
+from ..engine.tensor_parallel import refuse_tp
 from ..params import fragment_tag
 from . import agree
 from .layout import ModelLayout, dtype_from_name, model_layout
@@ -56,6 +57,7 @@ def unit_keys_of(model: nn.Module, layout: ModelLayout) -> dict[int, list[str]]:
 
 def _export_model(model: nn.Module, out: Path) -> Path | None:
     state = get_state(model)
+    refuse_tp(state, "fs.export_safetensors")
     layout = model_layout(model)
     unit_keys = unit_keys_of(model, layout)
     order = [k for unit in state.units for k in unit_keys.get(unit.index, [])]

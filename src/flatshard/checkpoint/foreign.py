@@ -87,7 +87,7 @@ def model_targets(metadata: Metadata, layout: ModelLayout, prefix: str) -> dict[
     targets: dict[str, Item] = {}
     for name, p in layout.params.items():
         _check_shape(metadata, prefix + name, p.shape)
-        targets[prefix + name] = Sharded(p.fragment.detach(), p.start, p.numel, p.shape)
+        targets[prefix + name] = p.item(p.fragment.detach())
     for name, buf in layout.buffers.items():
         if prefix + name in metadata.state_dict_metadata:  # non-persistent ones may be absent
             _check_shape(metadata, prefix + name, buf.shape)
@@ -121,7 +121,7 @@ def optimizer_targets(
         if tuple(md.size) == tuple(info.shape) and state_key != "step":  # sharded like the param
             local = torch.empty(info.fragment.numel(), dtype=md.properties.dtype)
             local = local.to(info.fragment.device)
-            targets[key] = Sharded(local, info.start, info.numel, info.shape)
+            targets[key] = info.item(local)
         else:
             targets[key] = torch.empty(md.size, dtype=md.properties.dtype)
         state.setdefault(name, {})[state_key] = targets[key]

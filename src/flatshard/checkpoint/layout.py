@@ -39,8 +39,15 @@ class ParamInfo:
     name: str
     fragment: nn.Parameter
     start: int  # the fragment is elements [start, start + fragment.numel()) of the flat param
-    numel: int
-    shape: torch.Size
+    numel: int  # of the flat param (a tensor-parallel one's TP-local block)
+    shape: torch.Size  # the global shape
+    local_shape: torch.Size  # what ``start``/``numel`` index: ``shape``, or the TP-local block's
+    origin: tuple[int, ...] | None = None  # where a TP-local block sits in the global tensor
+
+    def item(self, local: torch.Tensor) -> Sharded:
+        """``local`` (the fragment or a state tensor shaped like it) as its DCP item."""
+        whole = self.shape if self.origin is not None else None
+        return Sharded(local, self.start, self.numel, self.local_shape, whole, self.origin)
 
 
 @dataclass
@@ -74,8 +81,13 @@ def model_layout(model: nn.Module) -> ModelLayout:
                 layout.aliases[key] = first[id(value)]
                 continue
             first[id(value)] = key
-            start = tag.flat_range[0]
-            layout.params[key] = ParamInfo(key, value, start, tag.full_numel, tag.full_shape)
+            start, shape = tag.flat_range[0], tag.full_shape
+            if tag.tp is None:
+                layout.params[key] = ParamInfo(key, value, start, tag.full_numel, shape, shape)
+            else:
+                info = ParamInfo(key, value, start, tag.full_numel, tag.tp.shape, shape)
+                info.origin = tag.tp.origin
+                layout.params[key] = info
         elif isinstance(value, torch.Tensor):
             layout.buffers[key] = value
         else:
@@ -106,9 +118,7 @@ def model_items(layout: ModelLayout) -> dict[str, Item]:
     """Every state_dict key's DCP item. A tied parameter is written under each of its names,
     as torch's DCP does (``get_model_state_dict`` asks for every key); flatshard reads the
     first and records the others as aliases."""
-    items: dict[str, Item] = {
-        n: Sharded(p.fragment.detach(), p.start, p.numel, p.shape) for n, p in layout.params.items()
-    }
+    items: dict[str, Item] = {n: p.item(p.fragment.detach()) for n, p in layout.params.items()}
     items.update({alias: items[source] for alias, source in layout.aliases.items()})
     items.update({n: b.detach() for n, b in layout.buffers.items()})
     return items
@@ -146,7 +156,7 @@ def optimizer_entries(
             for key, value in optimizer.state.get(p, {}).items():
                 fqn = optim_key(name, key)
                 if isinstance(value, torch.Tensor) and value.shape == p.shape:
-                    items[fqn] = Sharded(value.detach(), info.start, info.numel, info.shape)
+                    items[fqn] = info.item(value.detach())
                     entries[key] = {"kind": "sharded"}
                 elif isinstance(value, torch.Tensor):
                     items[fqn] = value.detach()

@@ -58,6 +58,11 @@ class Sharded:
     start: int
     numel: int
     shape: torch.Size | None = None
+    # A tensor-parallel parameter: ``start``/``numel``/``shape`` describe its TP-local block,
+    # which sits at ``origin`` of the global tensor of shape ``whole_shape`` (see
+    # [Note: tensor-parallel parameters] in engine/tensor_parallel.py).
+    whole_shape: torch.Size | None = None
+    origin: tuple[int, ...] | None = None
 
     def chunks(self, flat: bool = False) -> list[tuple[ChunkStorageMetadata, torch.Tensor]]:
         """(chunk of the global tensor, the view of ``local`` that holds it) per rectangle;
@@ -65,15 +70,19 @@ class Sharded:
         end = self.start + self.local.numel()
         if flat or self.shape is None:
             return [(_meta((self.start,), (self.local.numel(),)), self.local)]
+        origin = self.origin or (0,) * len(self.shape)
         out = []
         for offsets, sizes, begin in rectangles(self.start, end, tuple(self.shape)):
             n = math.prod(sizes)
             view = self.local[begin - self.start : begin - self.start + n].view(sizes)
-            out.append((_meta(offsets, sizes), view))
+            shifted = tuple(o + base for o, base in zip(offsets, origin, strict=True))
+            out.append((_meta(shifted, sizes), view))
         return out
 
     @property
     def global_size(self) -> torch.Size:
+        if self.whole_shape is not None:
+            return torch.Size(self.whole_shape)
         return torch.Size([self.numel]) if self.shape is None else torch.Size(self.shape)
 
 

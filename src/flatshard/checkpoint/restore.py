@@ -41,9 +41,7 @@ def model_problem(desc: dict, layout: ModelLayout, metadata: Metadata, strict: b
 
 
 def model_targets(layout: ModelLayout) -> dict[str, Item]:
-    targets: dict[str, Item] = {
-        n: Sharded(p.fragment.detach(), p.start, p.numel, p.shape) for n, p in layout.params.items()
-    }
+    targets: dict[str, Item] = {n: p.item(p.fragment.detach()) for n, p in layout.params.items()}
     targets.update({n: b.detach() for n, b in layout.buffers.items()})
     return targets
 
@@ -92,7 +90,7 @@ def optimizer_targets(
             if entry["kind"] == "sharded":
                 local = torch.empty(info.fragment.numel(), dtype=md.properties.dtype)
                 local = local.to(info.fragment.device)
-                targets[fqn] = Sharded(local, info.start, info.numel, info.shape)
+                targets[fqn] = info.item(local)
             else:
                 targets[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
             state[name][key] = targets[fqn]

@@ -12,6 +12,7 @@ is in flight: the next ``save`` (or ``load``) waits for the previous one first.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -157,7 +158,7 @@ def _to_cpu_copy(item: Item) -> Item:
     if isinstance(item, Pickled):
         return item
     if isinstance(item, Sharded):
-        return Sharded(item.local.to("cpu", copy=True), item.start, item.numel, item.shape)
+        return dataclasses.replace(item, local=item.local.to("cpu", copy=True))
     return item.to("cpu", copy=True)
 
 

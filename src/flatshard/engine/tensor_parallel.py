@@ -46,6 +46,7 @@ class TPSpec:
     placements: tuple
     shape: torch.Size  # the global shape
     stride: tuple[int, ...]  # the global stride
+    origin: tuple[int, ...]  # where this rank's TP-local block starts in the global tensor
 
     @property
     def is_sharded(self) -> bool:
@@ -71,7 +72,11 @@ def spec_of(param: torch.Tensor) -> TPSpec | None:
     """The parameter's TP description, None for a plain tensor."""
     if not is_dtensor(param):
         return None
-    return TPSpec(param.device_mesh, tuple(param.placements), param.shape, tuple(param.stride()))
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = param.device_mesh, tuple(param.placements)
+    _, origin = compute_local_shape_and_global_offset(param.shape, mesh, placements)
+    return TPSpec(mesh, placements, param.shape, tuple(param.stride()), tuple(origin))
 
 
 def local_of(param: torch.Tensor) -> torch.Tensor:
@@ -245,3 +250,14 @@ def local_part(whole: torch.Tensor, spec: TPSpec | None) -> torch.Tensor:
     from torch.distributed.tensor import distribute_tensor
 
     return distribute_tensor(whole, spec.mesh, spec.placements, src_data_rank=None).to_local()
+
+
+def refuse_tp(state, what: str) -> None:
+    """``NotImplementedError`` naming ``what`` and the supported route, for the parts of the
+    API that do not handle tensor-parallel parameters yet."""
+    if getattr(state, "tp", None) is not None:
+        raise NotImplementedError(
+            f"{what} does not support tensor-parallel (DTensor) parameters yet; use fs.save / "
+            "fs.load (sharded checkpoints across (dp, tp)) or fs.full_state_dict for full "
+            "tensors"
+        )

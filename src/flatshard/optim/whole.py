@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ..comm.collectives import CommStats
 from ..engine.layout import overlap
+from ..engine.tensor_parallel import refuse_tp
 from ..params import fragment_tag
 
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=600)
@@ -75,6 +76,8 @@ def whole_param(param: torch.Tensor) -> WholeParam:
     state = tag.state() if tag is not None else None
     if tag is None or state is None:
         return WholeParam(param, param.shape, 0, (param.numel(),), None, 0, param.device)
+    if tag.tp is not None:  # its whole would be the TP-local block, not the matrix
+        refuse_tp(state, "whole-parameter optimizers (Muon, Adafactor)")
     flat_group = state.units[tag.unit].groups[tag.group]
     spec = flat_group.specs[tag.index]
     topo = state.topology
