@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 import flatshard as fs
+from flatshard.comm.shutdown import end_process_group
 
 SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
 VOCAB, DIM, SEQ = 32, 64, 16
@@ -110,7 +111,7 @@ def main() -> None:
         raise SystemExit("run it as: torchrun --nproc-per-node 4 examples/pipeline.py")
     dist.init_process_group("gloo")
     train(args.schedule, args.steps, args.microbatches, args.rows)
-    dist.destroy_process_group()
+    end_process_group()  # destroy_process_group, then let Gloo's threads finish (a Gloo exit abort)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 TINY = ["--dim", "32", "--layers", "1", "--heads", "2", "--vocab", "64"]
+TORCHRUN4 = [*TORCHRUN[:-1], "4"]  # dp 2 x tp 2
 
 SCRIPTS = {
     "bench_step.py": (TORCHRUN, [*TINY, "--steps", "3", "--batch", "1", "--seq", "16"]),
@@ -36,6 +37,10 @@ SCRIPTS = {
     "bench_pretrained_load.py": ([sys.executable], [*TINY, "--worlds", "1", "--dir", "{tmp}/w"]),
     "parity_report.py": ([sys.executable], ["--cases", "gpt_tied", "--worlds", "2"]),
     "bench_muon.py": (TORCHRUN, [*TINY, "--rounds", "1", "--seq", "8"]),
+    "bench_tp.py": (
+        TORCHRUN4,
+        [*TINY, "--rounds", "3", "--seq", "8", "--batch", "1", "--precisions", "fp32"],
+    ),
     "bench_integrations.py": (
         TORCHRUN,
         [

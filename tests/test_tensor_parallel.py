@@ -28,6 +28,8 @@ CASES = {  # name -> spec (engine and optimizer added per run)
     "sp_no_shard": {"sp": True, "strategy": "no_shard"},
     "sp_checkpoint_reentrant": {"sp": True, "ac": "reentrant"},
     "sp_checkpoint_non_reentrant": {"sp": True, "ac": "non_reentrant"},
+    # a tied TP embedding/head in a root big enough for the lazy root (threshold lowered)
+    "sp_tied_lazy_root": {"sp": True, "tied": True, "lazy_min_bytes": 0},
 }
 FSDP2_CONTROL = ("tp", "sp", "sp_loss_parallel")  # FSDP2 runs these (the rest are ours)
 
@@ -50,7 +52,7 @@ def results(dist_pools) -> dict:
     """(name, engine) -> {"err", "norm_err", "holds"} merged over ranks (worst error; the
     ranks that hold the full state dict), or {"error": ...} from the first failing rank."""
     specs = _specs()
-    outs = dist_pools(4).run(run_specs, specs, timeout=240)
+    outs = dist_pools(4).run(run_specs, specs, timeout=400)
     merged = {}
     for i, spec in enumerate(specs):
         per_rank = [out[i] for out in outs]

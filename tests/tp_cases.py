@@ -96,12 +96,14 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, blocks: int = 2) -> None:
+    def __init__(self, blocks: int = 2, tied: bool = False) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
         self.blocks = nn.ModuleList(Block() for _ in range(blocks))
         self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
@@ -110,9 +112,9 @@ class Model(nn.Module):
         return self.head(self.norm(x))
 
 
-def build() -> Model:
+def build(tied: bool = False) -> Model:
     torch.manual_seed(0)
-    return Model()
+    return Model(tied=tied)
 
 
 def parallelize(model: Model, tp_mesh, *, sp: bool, loss_par: bool) -> None:
@@ -128,7 +130,10 @@ def parallelize(model: Model, tp_mesh, *, sp: bool, loss_par: bool) -> None:
     }
     if sp:
         root_plan["norm"] = SequenceParallel()
+    tied = model.head.weight is model.embed.weight
     parallelize_module(model, tp_mesh, root_plan)
+    if tied:  # each style distributed its own copy: tie the DTensors again (both Shard(0))
+        model.head.weight = model.embed.weight
     gather_input = PrepareModuleInput(
         input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
     )
@@ -212,9 +217,16 @@ def _shard(model: Model, spec: dict, mesh, dp_mesh) -> None:
     mp = fs.MixedPrecision(param_dtype=torch.bfloat16) if spec.get("bf16") else None
     where = mesh if spec.get("whole_mesh") else dp_mesh
     strategy = spec.get("strategy", "hybrid_shard" if spec.get("hybrid") else "full_shard")
-    fs.shard(
-        model, policy=fs.wrap.by_type(Block), mesh=where, strategy=strategy, mixed_precision=mp
-    )
+    from flatshard.engine import root_split
+
+    saved_min = root_split.LAZY_MIN_BYTES
+    root_split.LAZY_MIN_BYTES = spec.get("lazy_min_bytes", saved_min)  # a tiny root made lazy
+    try:
+        fs.shard(
+            model, policy=fs.wrap.by_type(Block), mesh=where, strategy=strategy, mixed_precision=mp
+        )
+    finally:
+        root_split.LAZY_MIN_BYTES = saved_min
 
 
 def _clip(model: nn.Module, engine: str, max_norm: float) -> float:
@@ -251,7 +263,7 @@ def train(spec: dict) -> dict:
     """One spec on this rank: {"err": state-dict error, "norm_err": worst norm error,
     "holds": whether this rank holds the full state dict}."""
     mesh, tp_mesh, dp_mesh, dp_size, dp_index = _meshes(spec.get("hybrid", False))
-    ref = build().to(DTYPES[spec.get("dtype", "float64")])
+    ref = build(spec.get("tied", False)).to(DTYPES[spec.get("dtype", "float64")])
     model = copy.deepcopy(ref)
     parallelize(model, tp_mesh, sp=spec.get("sp", False), loss_par=spec.get("loss_par", False))
     for block in [*model.blocks, *ref.blocks]:

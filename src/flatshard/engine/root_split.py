@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from .tensor_parallel import is_dtensor
+
 # The lazy root (lazy_root.py) saves memory at the loss, and costs a saved-tensor hook on every
 # tensor the forward saves; below this size (embeddings of a tiny vocabulary) the root stays
 # gathered from forward into backward as before.
@@ -52,5 +54,10 @@ def tail_parameters(
 
 
 def worth_lazy(root_params: list[nn.Parameter]) -> bool:
-    """Is the root (its tail split off) big enough to be released after forward?"""
+    """Is the root (its tail split off) big enough to be released after forward? Never with
+    tensor-parallel parameters: autograd saves their DTensors, which the lazy root's
+    saved-tensor hooks cannot rebuild after the release (see [Note: tensor-parallel
+    parameters])."""
+    if any(is_dtensor(p) for p in root_params):
+        return False
     return sum(p.numel() * p.element_size() for p in root_params) >= LAZY_MIN_BYTES
