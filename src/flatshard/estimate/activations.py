@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .spec import Layout, ModelSpec, Workload
+from .tensor_parallel import check_workload, local_spec, seq_shards
 
 __all__ = ["Activations", "activations"]
 
@@ -42,27 +43,34 @@ def activations(spec: ModelSpec, layout: Layout, work: Workload) -> Activations:
     its output. Attention keeps q, k, v and its output; SwiGLU keeps gate, up, silu(gate) and
     their product (GELU: up and gelu(up)). fp32 extras: rstd (and the mean for LayerNorm) per
     norm, one log-sum-exp per head. ``math`` attention also keeps the T x T probabilities.
+
+    With ``layout.tp > 1`` (see [Note: the estimator's tensor parallelism]): ``spec``'s heads,
+    ffn and vocabulary are one TP rank's share, and with sequence parallelism the residual
+    stream and what a norm keeps besides its (all-gathered, whole) output are 1/tp.
     """
+    spec = local_spec(spec, layout.tp)  # checks the model's sizes against tp first
+    check_workload(layout, work)
     n, c, f, ab = work.tokens, spec.hidden, spec.ffn, layout.precision.act
+    ns = n // seq_shards(layout)  # tokens of this rank's sequence shard (all without SP)
     composite = spec.norm == "rmsnorm" and not work.fused_norm
-    norm = (2 * FP32 + ab) * c if composite else 2 * ab * c  # bytes per token and norm
+    inner = 2 * FP32 * c if composite else ab * c  # what a norm keeps besides its output
     norm32 = 2 if spec.norm == "layernorm" else 1  # (mean,) rstd per token, fp32
+    norm = ns * (inner + FP32 * norm32) + n * ab * c  # bytes per norm, its output whole
     mlp = (4 if spec.mlp == "swiglu" else 2) * f
-    attn = 2 * c + 2 * spec.kv_width
-    block = n * (2 * norm + ab * (attn + mlp) + FP32 * (spec.heads + 2 * norm32))
-    head_dim = c // spec.heads
+    attn = 2 * spec.q_width + 2 * spec.kv_width
+    block = 2 * norm + n * (ab * (attn + mlp) + FP32 * spec.heads)
     if ab != FP32:  # apply_rotary casts cos/sin to the activations' dtype, for q and for k
-        block += 2 * work.seq * head_dim * ab
+        block += 2 * work.seq * spec.head_size * ab
     if work.attention == "math":  # the softmax probabilities, B x H x T x T
         block += ab * work.batch * spec.heads * work.seq * work.seq
     logits = n * spec.vocab * ab + (n * spec.vocab * FP32 if ab != FP32 else 0)  # + fp32 copy
     return Activations(
         block=block,
-        block_input=n * c * ab,
-        head=n * (norm + FP32 * norm32 + FP32 * spec.vocab),
-        fixed=2 * n * INT64 + 2 * work.seq * (head_dim // 2) * FP32,
+        block_input=ns * c * ab,
+        head=norm + n * FP32 * spec.vocab,
+        fixed=2 * n * INT64 + 2 * work.seq * (spec.head_size // 2) * FP32,
         mlp_workspace=n * ab * (c + (2 if spec.mlp == "swiglu" else 1) * f),
-        grad_input=n * c * ab,
+        grad_input=ns * c * ab,
         logits=logits,
         logits_grads=2 * n * spec.vocab * FP32,
     )

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import warnings
 
 from .devices import DEVICES
 from .memory import estimate_memory
@@ -20,6 +21,9 @@ EXAMPLES = """examples:
   flatshard estimate --params 70e9 --layers 80 --hidden 8192 --heads 64 --kv-heads 8 \\
       --vocab 128256 --seq 4096 --world 64 --gpu h100 --act-ckpt
   flatshard estimate --model 1b --world 8 --strategy shard_grad_op --json -
+  flatshard estimate --layers 80 --hidden 8192 --heads 64 --kv-heads 8 --ffn 28672 \\
+      --vocab 128256 --seq 8192 --batch 16 --world 32 --tp 8 --act-ckpt
+      (torchtitan's Llama 3 70B on 256 GPUs: FSDP 32 x TP 8)
 """
 
 
@@ -48,10 +52,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _layout_options(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--world", type=int, default=8, help="data-parallel ranks (default 8)")
+    g.add_argument("--world", type=int, default=8,
+                   help="data-parallel degree: ranks that see different data (default 8); "
+                   "with --tp each is a group of tp GPUs, world x tp GPUs in all")  # fmt: skip
+    g.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree, torchtitan's Llama plan (default 1); heads, "
+                   "kv-heads and ffn must be multiples of it")  # fmt: skip
+    g.add_argument("--no-sequence-parallel", action="store_true",
+                   help="with --tp: replicate norms and the residual stream (all-reduces) "
+                   "instead of torchtitan's sequence parallelism")  # fmt: skip
     g.add_argument("--strategy", choices=STRATEGIES, default="full_shard")
     g.add_argument("--shard-size", type=int, help="hybrid_shard: ranks per shard group")
-    g.add_argument("--batch", type=int, default=1, help="sequences per rank (default 1)")
+    batch_help = "sequences per data-parallel rank, shared by its tp GPUs (default 1)"
+    g.add_argument("--batch", type=int, default=1, help=batch_help)
     g.add_argument("--seq", type=int, help="tokens per sequence (default: the preset's "
                    "max_seq_len, else 2048)")  # fmt: skip
     g.add_argument("--dtype", choices=("fp32", "bf16"),
@@ -114,14 +127,19 @@ def _inputs(args: argparse.Namespace) -> tuple[ModelSpec, Layout, Workload]:
         backend=args.backend or ("gloo" if cpu else "nccl"),
         coalesce=not args.no_coalesce,
         split_root=not args.no_split_root,
+        tp=args.tp,
+        sequence_parallel=not args.no_sequence_parallel,
     )
+    if args.no_sequence_parallel and args.tp == 1:
+        warnings.warn("--no-sequence-parallel has no effect without --tp", stacklevel=2)
     fused = args.fused_norm == "yes" if args.fused_norm else not cpu
     work = Workload(args.batch, args.seq or spec.max_seq, args.act_ckpt, args.attention, fused)
     return spec, layout, work
 
 
 def min_world(spec: ModelSpec, layout: Layout, work: Workload, capacity: float) -> int | None:
-    """Smallest power-of-two world (up to 65536) whose peak fits in ``capacity`` bytes."""
+    """Smallest power-of-two data-parallel world (up to 65536; ``layout.tp`` kept) whose peak
+    fits in ``capacity`` bytes."""
     for k in range(17):
         lay = dataclasses.replace(layout, world=2**k, shard_size=None)
         if estimate_memory(spec, lay, work).peak <= capacity:
@@ -153,6 +171,9 @@ def _measure(args: argparse.Namespace, report: Report) -> dict[str, int]:
     if not args.model or args.gpu != "cpu":
         raise ValueError("--measure needs --model PRESET and --gpu cpu (it runs flatshard on "
                          "this machine's CPU with Gloo)")  # fmt: skip
+    if report.layout.tp > 1:
+        raise ValueError(f"--measure does not support --tp {report.layout.tp}: it measures "
+                         "data-parallel flatshard only; drop --tp")  # fmt: skip
     if report.layout.strategy not in ("full_shard", "shard_grad_op", "no_shard"):
         raise ValueError(f"--measure does not support --strategy {report.layout.strategy}")
     from .measure import spawn_measure

@@ -23,6 +23,7 @@ from .activations import FP32, Activations, activations
 from .reductions import Reductions, larger, largest_piece
 from .schedule import gathers
 from .spec import Layout, ModelSpec, Workload
+from .tensor_parallel import local_spec, seq_shards
 from .units import Units, plan_units
 
 __all__ = ["MemoryEstimate", "Phase", "estimate_memory"]
@@ -77,7 +78,7 @@ class MemoryEstimate:
 class _Step:
     """The units of a layout, what is gathered when, and the byte widths."""
 
-    spec: ModelSpec
+    spec: ModelSpec  # one TP rank's share (tensor_parallel.local_spec)
     layout: Layout
     work: Workload
     act: Activations
@@ -106,10 +107,11 @@ class _Step:
 
 def estimate_memory(spec: ModelSpec, layout: Layout, work: Workload) -> MemoryEstimate:
     """Replay one training step (see [Note: the replay]) and report the components and peak."""
-    act = activations(spec, layout, work)
+    act = activations(spec, layout, work)  # validates the TP layout
     units = plan_units(spec, layout)
     kept = act.block_input if work.act_ckpt else act.block
-    step = _Step(spec, layout, work, act, kept, units, gathers(units, layout))
+    local = local_spec(spec, layout.tp)  # what one GPU holds (see tensor_parallel.py)
+    step = _Step(local, layout, work, act, kept, units, gathers(units, layout))
     static = _static(step)
     grads = Reductions(units, layout)
     parts = [*_forward(step, work), *_backward(step, grads), *_finish(step, grads)]
@@ -136,7 +138,7 @@ def _static(step: _Step) -> Parts:
     return {
         "parameters": step.units.shards * layout.precision.master,
         "optimizer": step.units.used * layout.optimizer_bytes + step_bytes,
-        "buffers": spec.max_seq * (spec.hidden // spec.heads) * FP32,
+        "buffers": spec.max_seq * spec.head_size * FP32,
     }
 
 
@@ -147,7 +149,9 @@ def _forward(step: _Step, work: Workload) -> Iterator[tuple[str, Parts]]:
     # At the block's last matmul, besides what it saves (measured on CPU, fp32 and bf16 alike):
     # that matmul's output and the block's output, and in bf16 also the block's input and
     # residual in bf16, which the composite norms saved as fp32 upcasts only.
-    ending = 0 if work.act_ckpt else 2 * work.tokens * step.spec.hidden * FP32
+    # (With sequence parallelism the block's output is a sequence shard, the matmul's whole.)
+    outputs = work.tokens + work.tokens // seq_shards(step.layout)
+    ending = 0 if work.act_ckpt else outputs * step.spec.hidden * FP32
     for i in range(L):
         before = i * step.kept + act.block_input + act.fixed  # block i's input is alive
         yield f"forward block {i} gather", {**step.gathered(f"forward block {i} gather"),

@@ -9,6 +9,7 @@ from .devices import Device
 from .memory import MemoryEstimate
 from .spec import Layout, ModelSpec, Workload
 from .steptime import StepTime
+from .tensor_parallel import local_spec, tp_traffic
 from .units import plan_units
 
 __all__ = ["Report", "format_table", "to_json"]
@@ -54,11 +55,31 @@ def _header(r: Report) -> list[str]:
         f"model   {s.name}: {s.params:,} parameters ({s.params / 1e9:.3g} B); {s.layers} layers, "
         f"hidden {s.hidden}, heads {s.heads} (kv {s.kv_heads}), ffn {s.ffn} {s.mlp}, "
         f"vocab {s.vocab} {tied}",
-        f"layout  world {lay.world}, {lay.strategy} ({shard}), {p.name} "
+        f"layout  {_world(lay)}, {lay.strategy} ({shard}), {p.name} "
         f"(reduce {p.reduce or p.name}), "
         f"{lay.optimizer}, {lay.backend}, {_units(r)}",
-        f"batch   {w.batch} x {w.seq} tokens per rank, {w.attention} attention"
-        + (", activation checkpointing" if w.act_ckpt else ""),
+        *_tp_header(r),
+        f"batch   {w.batch} x {w.seq} tokens per {'data-parallel ' if lay.tp > 1 else ''}rank, "
+        f"{w.attention} attention" + (", activation checkpointing" if w.act_ckpt else ""),
+    ]
+
+
+def _world(lay: Layout) -> str:
+    if lay.tp == 1:
+        return f"world {lay.world}"
+    return f"world {lay.world} x tp {lay.tp} = {lay.gpus} GPUs"
+
+
+def _tp_header(r: Report) -> list[str]:
+    """What one GPU of a tp group holds (see tensor_parallel.py); nothing at tp 1."""
+    lay = r.layout
+    if lay.tp == 1:
+        return []
+    s = local_spec(r.spec, lay.tp)
+    sp = "sequence parallel" if lay.sequence_parallel else "no sequence parallel"
+    return [
+        f"tp      {lay.tp} ({sp}; torchtitan's plan): per GPU heads {s.heads} (kv "
+        f"{s.kv_heads}), ffn {s.ffn}, vocab {s.vocab}; norm weights replicated over tp"
     ]
 
 
@@ -115,8 +136,26 @@ def _time_lines(r: Report) -> list[str]:
         f"  all-reduce        {t.all_reduce_bytes / 1e9:12.3f} GB",
         f"  communication     {t.comm_s * 1e3:12.2f} ms   "
         f"(exposed after overlap {t.exposed_comm_s * 1e3:.2f} ms)",
-        f"  step              {t.step_s * 1e3:12.2f} ms   {t.tokens_per_s:,.0f} tokens/s/rank, "
+        *_tp_time(r),
+        f"  step              {t.step_s * 1e3:12.2f} ms   {t.tokens_per_s:,.0f} tokens/s/"
+        f"{'GPU' if r.layout.tp > 1 else 'rank'}, "
         f"MFU {100 * t.mfu:.1f}%",
+    ]
+
+
+def _tp_time(r: Report) -> list[str]:
+    """The tensor-parallel collectives' line (tp > 1 only)."""
+    if r.layout.tp == 1:
+        return []
+    tp = tp_traffic(r.spec, r.layout, r.work)
+    if r.layout.sequence_parallel:
+        what = f"{tp.all_gathers} all-gathers + {tp.reduce_scatters} reduce-scatters"
+    else:
+        what = f"{tp.all_reduces} all-reduces"
+    return [
+        f"  tensor parallel   {tp.bus_bytes / 1e9:12.3f} GB bus bytes: {what} of "
+        f"{tp.message / 1e6:,.1f} MB over tp {r.layout.tp}",
+        f"  tp communication  {r.time.tp_comm_s * 1e3:12.2f} ms   (not overlapped)",
     ]
 
 
@@ -127,7 +166,11 @@ def _fit_lines(r: Report) -> list[str]:
     verdict = "fits" if r.fits else "does NOT fit"
     out = [f"fit: peak {r.memory.peak / GIB:,.1f} GiB {verdict} in {cap:g} GiB per rank"]
     mins = ", ".join(f"{k} {v if v else 'never'}" for k, v in r.min_world.items())
-    out.append(f"  smallest world that fits (same batch per rank): {mins}")
+    if r.layout.tp > 1:
+        out.append(f"  smallest data-parallel world that fits (tp {r.layout.tp}, same batch "
+                   f"per data-parallel rank): {mins}")  # fmt: skip
+    else:
+        out.append(f"  smallest world that fits (same batch per rank): {mins}")
     return out
 
 
@@ -140,7 +183,9 @@ def to_json(r: Report) -> dict:
                "phases": [{"name": p.name, "total": p.total} for p in m.phases]}  # fmt: skip
     return {
         "model": dataclasses.asdict(r.spec) | {"params": r.spec.params},
-        "layout": dataclasses.asdict(r.layout) | {"shard_world": r.layout.shard_world},
+        "layout": dataclasses.asdict(r.layout)
+        | {"shard_world": r.layout.shard_world, "gpus": r.layout.gpus},
+        "tensor_parallel": _tp_json(r),
         "workload": dataclasses.asdict(r.work),
         "device": dataclasses.asdict(r.device),
         "memory_bytes": memory,
@@ -148,4 +193,18 @@ def to_json(r: Report) -> dict:
         "fits": r.fits,
         "min_world": r.min_world,
         "measured_bytes": r.measured,
+    }
+
+
+def _tp_json(r: Report) -> dict:
+    """The tp degree, what one GPU holds of the model, and the TP collectives of a step."""
+    local = local_spec(r.spec, r.layout.tp)
+    traffic = tp_traffic(r.spec, r.layout, r.work)
+    return {
+        "tp": r.layout.tp,
+        "sequence_parallel": r.layout.sequence_parallel,
+        "gpus": r.layout.gpus,
+        "per_gpu": {k: getattr(local, k) for k in ("heads", "kv_heads", "ffn", "vocab")},
+        "collectives": dataclasses.asdict(traffic) | {"bus_bytes": traffic.bus_bytes},
+        "comm_s": r.time.tp_comm_s,
     }

@@ -48,11 +48,16 @@ class ModelSpec:
     """Length of the RoPE tables (fp32 buffers, replicated on every rank)."""
     norm: str = "rmsnorm"
     """``"rmsnorm"`` or ``"layernorm"`` (weight only, no bias, as in ``GPTConfig``)."""
+    head_dim: int | None = None
+    """Width of one attention head; ``None``: ``hidden // heads``. Set explicitly by
+    ``tensor_parallel.local_spec``, whose spec holds one TP rank's share of the heads."""
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "kv_heads", "vocab", "ffn", "max_seq"):
             _positive(name, getattr(self, name))
-        if self.hidden % self.heads or self.heads % self.kv_heads:
+        if self.head_dim is not None:
+            _positive("head_dim", self.head_dim)
+        if (self.head_dim is None and self.hidden % self.heads) or self.heads % self.kv_heads:
             raise ValueError(
                 f"heads={self.heads} must divide hidden={self.hidden} and kv_heads="
                 f"{self.kv_heads} must divide heads; check --heads/--kv-heads"
@@ -63,9 +68,19 @@ class ModelSpec:
             )
 
     @property
+    def head_size(self) -> int:
+        """Width of one attention head."""
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def q_width(self) -> int:
+        """Width of the query projection output (``hidden`` unless TP-local)."""
+        return self.heads * self.head_size
+
+    @property
     def kv_width(self) -> int:
         """Width of the key (and value) projection output."""
-        return self.kv_heads * (self.hidden // self.heads)
+        return self.kv_heads * self.head_size
 
     @property
     def block_params(self) -> int:
@@ -75,9 +90,9 @@ class ModelSpec:
     @property
     def block_sizes(self) -> list[int]:
         """Parameter sizes of one block in registration order (= its flat layout)."""
-        c, kv, f = self.hidden, self.kv_width, self.ffn
+        c, q, kv, f = self.hidden, self.q_width, self.kv_width, self.ffn
         mlp = [c * f] * (3 if self.mlp == "swiglu" else 2)
-        return [c, c * c, c * kv, c * kv, c * c, c, *mlp]
+        return [c, c * q, c * kv, c * kv, q * c, c, *mlp]
 
     @property
     def root_sizes(self) -> list[int]:
@@ -108,7 +123,7 @@ class ModelSpec:
     def flops_per_token(self, seq: int) -> int:
         """Training FLOPs per token, PaLM's formula as in ``GPTConfig.flops_per_token``."""
         n = self.layers * self.block_params + self.hidden + self.vocab * self.hidden
-        return 6 * n + 12 * self.layers * self.hidden * seq
+        return 6 * n + 12 * self.layers * self.q_width * seq
 
     @classmethod
     def from_preset(cls, name: str) -> ModelSpec:
@@ -198,7 +213,7 @@ class Layout:
     """How the model is spread over ranks."""
 
     world: int
-    """Data-parallel ranks."""
+    """Data-parallel ranks (the data-parallel degree; with ``tp > 1`` each is a TP group)."""
     strategy: str = "full_shard"
     """One of :data:`STRATEGIES`."""
     shard_size: int | None = None
@@ -229,9 +244,17 @@ class Layout:
     """``fs.shard(split_root=...)``: the final norm and an untied head are a unit of their own
     (the root's tail), and under full_shard/hybrid_shard the rest of the root is released after
     forward (see [Note: the estimator's units] in ``units.py``)."""
+    tp: int = 1
+    """Tensor-parallel degree (torchtitan's Llama plan, see ``tensor_parallel.py``): each of
+    ``world`` data-parallel ranks is a group of ``tp`` GPUs, ``world * tp`` GPUs in all."""
+    sequence_parallel: bool = True
+    """With ``tp > 1``: norms and the residual stream sharded over the sequence (torchtitan's
+    plan: all-gather / reduce-scatter around each block half) instead of replicated
+    (all-reduce)."""
 
     def __post_init__(self) -> None:
         _positive("world", self.world)
+        _positive("tp", self.tp)
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy={self.strategy!r} is unknown; use one of {STRATEGIES}")
         if self.prefetch_forward < 0 or self.prefetch_backward not in ("pre", "post", "none"):
@@ -260,6 +283,11 @@ class Layout:
         return self.world
 
     @property
+    def gpus(self) -> int:
+        """Ranks in all: ``world`` data-parallel ranks of ``tp`` GPUs each."""
+        return self.world * self.tp
+
+    @property
     def optimizer_bytes(self) -> int:
         return OPTIMIZER_BYTES[self.optimizer]
 
@@ -272,10 +300,10 @@ class Layout:
 
 @dataclass(frozen=True)
 class Workload:
-    """One micro-batch per rank."""
+    """One micro-batch per data-parallel rank (its TP group shares it)."""
 
     batch: int = 1
-    """Sequences per rank."""
+    """Sequences per data-parallel rank."""
     seq: int = 2048
     """Tokens per sequence."""
     act_ckpt: bool = False

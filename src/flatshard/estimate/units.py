@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from ..coalesce import Coalesce
 from ..engine.root_split import LAZY_MIN_BYTES
 from .spec import Layout, ModelSpec
+from .tensor_parallel import local_spec
 
 __all__ = ["Unit", "Units", "plan_units"]
 
@@ -92,7 +93,9 @@ class Units:
 
 
 def plan_units(spec: ModelSpec, layout: Layout) -> Units:
-    """The units ``fs.shard`` builds for ``spec`` under ``layout`` (see the Note)."""
+    """The units ``fs.shard`` builds for ``spec`` under ``layout`` (see the Note): with
+    ``layout.tp > 1``, of one TP rank's share (``tensor_parallel.local_spec``)."""
+    spec = local_spec(spec, layout.tp)
     v, c = spec.vocab * spec.hidden, spec.hidden
     head = () if spec.tied else (v,)
     if layout.split_root:
@@ -100,7 +103,9 @@ def plan_units(spec: ModelSpec, layout: Layout) -> Units:
     else:
         root, tail = _unit(layout, "root", (v, c, *head)), None
     block = _unit(layout, "block", tuple(spec.block_sizes))
-    big = root.numel * layout.precision.master >= LAZY_MIN_BYTES  # root_split.worth_lazy
+    # root_split.worth_lazy: big enough, and no TP (DTensor) parameter, whose saved DTensors
+    # the lazy root could not rebuild after releasing it.
+    big = root.numel * layout.precision.master >= LAZY_MIN_BYTES and layout.tp == 1
     lazy = tail is not None and big and layout.strategy in ("full_shard", "hybrid_shard")
     return Units(
         root=root,
@@ -110,7 +115,9 @@ def plan_units(spec: ModelSpec, layout: Layout) -> Units:
         buckets=_buckets(block.pad * layout.precision.param, spec.layers, layout),
         lazy_root=lazy,
         root_regathered=lazy and spec.tied,
+        # Units of TP parameters gather into buffers of their own (engine/state.py).
         pooled=layout.strategy in ("full_shard", "hybrid_shard")
+        and layout.tp == 1
         and (layout.shard_world > 1 or layout.precision.param != layout.precision.master),
     )
 
