@@ -14,6 +14,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 import flatshard as fs
 from flatshard.models import GPT, Block
+from flatshard.train import tensor_parallel
 from flatshard.train.config import OptimConfig, TrainConfig
 from flatshard.train.resolve import gpt_config, mixed_precision
 
@@ -39,9 +40,21 @@ class Env:
     """Workers on this machine."""
     device: torch.device
     """This worker's compute device (``cuda:LOCAL_RANK`` or ``cpu``)."""
+    tp: int = 1
+    """Tensor-parallel degree: groups of ``tp`` consecutive ranks split each layer."""
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel rank (the tp ranks of a group share it and its data)."""
+        return self.rank // self.tp
+
+    @property
+    def dp_world(self) -> int:
+        """Number of data-parallel ranks (distinct batches per step)."""
+        return self.world // self.tp
 
 
-def init_distributed(backend: str, timeout_s: float) -> Env:
+def init_distributed(backend: str, timeout_s: float, tp: int = 1) -> Env:
     """Join the job's process group from torchrun's environment variables.
 
     ``backend`` is ``"nccl"`` (one GPU per worker, by ``LOCAL_RANK``) or ``"gloo"`` (CPU).
@@ -58,7 +71,7 @@ def init_distributed(backend: str, timeout_s: float) -> Env:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     world = dist.get_world_size()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return Env(dist.get_rank(), world, local_world, device)
+    return Env(dist.get_rank(), world, local_world, device, tp)
 
 
 def build_model(cfg: TrainConfig, env: Env, vocab_needed: int = 258) -> GPT:
@@ -67,14 +80,22 @@ def build_model(cfg: TrainConfig, env: Env, vocab_needed: int = 258) -> GPT:
     Built directly on the device: ``fs.shard`` takes a materialised model and keeps 1/world of
     it per rank, so the full model exists once per rank for a moment (fine for these presets).
     """
-    mesh = _hybrid_mesh(env) if cfg.parallel.strategy == "hybrid_shard" else None
+    hybrid = cfg.parallel.strategy == "hybrid_shard"
+    tp_mesh = None
+    if env.tp > 1:  # see [Note: the trainer's (dp, tp) layout]
+        tp_mesh = tensor_parallel.build_mesh(
+            env.device.type, env.world, env.local_world, env.tp, hybrid
+        )
+        mesh = tensor_parallel.data_parallel_mesh(tp_mesh)
+    else:
+        mesh = _hybrid_mesh(env) if hybrid else None
     if cfg.model.hf:  # a transformers model: built on meta, sharded, weights read sliced
         from flatshard.train.hf_model import build_hf_model
 
         return build_hf_model(
             cfg.model.hf, cfg.seed, cfg.data.seq_len, vocab_needed,
-            strategy=cfg.parallel.strategy,
-            mixed_precision=mixed_precision(cfg), mesh=mesh, timeout_s=cfg.parallel.timeout_s,
+            strategy=cfg.parallel.strategy, mixed_precision=mixed_precision(cfg), mesh=mesh,
+            timeout_s=cfg.parallel.timeout_s, tp_mesh=tp_mesh,
         )  # fmt: skip
     torch.manual_seed(cfg.seed)
     if env.device.type == "cpu":
@@ -84,6 +105,8 @@ def build_model(cfg: TrainConfig, env: Env, vocab_needed: int = 258) -> GPT:
     else:
         with env.device:
             model = GPT(gpt_config(cfg))
+    if tp_mesh is not None:
+        tensor_parallel.parallelize(model, tp_mesh, cfg)
     return fs.shard(
         model,
         policy=fs.wrap.by_type(Block),

@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 
-from flatshard.train.config import SECTIONS, TrainConfig
+from flatshard.train.config import SECTION_ALIASES, SECTIONS, TrainConfig
 from flatshard.train.config_io import apply_overrides, field_docs, load_toml, to_toml
 
 __all__ = ["main", "parse_config", "run"]
@@ -69,6 +69,8 @@ def _settings_help() -> str:
         for key, value in vars(cls()).items():
             text = " ".join(docs.get(key, "").split())
             lines.append(f"  --{name}.{key} (default {value!r}): {text}")
+    for alias, name in SECTION_ALIASES.items():
+        lines.append(f"  --{alias}.KEY is --{name}.KEY (e.g. --{alias}.tp 2)")
     return "\n".join(lines)
 
 
@@ -117,6 +119,7 @@ def _precheck(cfg: TrainConfig, resume: bool) -> None:
     from flatshard.train.data import read_documents
     from flatshard.train.resolve import gpt_config, mixed_precision
 
+    _precheck_tp(cfg)
     if cfg.model.hf:  # a missing directory or config.json: one clear line, before any spawn
         from flatshard.train.hf_model import check_hf_dir
 
@@ -136,6 +139,19 @@ def _precheck(cfg: TrainConfig, resume: bool) -> None:
         )
     if cfg.precision.param_dtype not in ("auto", "fp32"):
         mixed_precision(cfg)  # raises if this flatshard has no MixedPrecision yet
+
+
+def _precheck_tp(cfg: TrainConfig) -> None:
+    """A tp degree the local workers cannot form; loss_parallel without tp (no effect)."""
+    from flatshard.train.resolve import default_nproc
+    from flatshard.train.tensor_parallel import check_tp
+
+    check_tp(cfg, cfg.parallel.nproc or default_nproc())
+    if cfg.parallel.loss_parallel and cfg.parallel.tp == 1:
+        print(
+            "flatshard train: note: parallel.loss_parallel has no effect with parallel.tp=1",
+            file=sys.stderr,
+        )
 
 
 def _launch(cfg: TrainConfig, resume: bool) -> int:

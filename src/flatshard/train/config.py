@@ -1,7 +1,8 @@
 """The trainer's configuration: one frozen dataclass per section, validated on construction.
 
 ``TrainConfig`` holds the run-level fields (``steps``, ``seed``, ``out``) and the sections
-``model``, ``data``, ``parallel``, ``precision``, ``optim``, ``checkpoint`` and ``log``. TOML files
+``model``, ``data``, ``parallel`` (also spelt ``parallelism``, torchtitan's name: see
+``SECTION_ALIASES``), ``precision``, ``optim``, ``checkpoint`` and ``log``. TOML files
 mirror that shape (top-level keys, then one ``[section]`` table each); ``config_io`` reads, writes
 and overrides them. Values a TOML file cannot spell as "unset" (it has no null) use ``0`` or
 ``"auto"``, resolved at run time by :func:`flatshard.train.resolve.resolve` (and written out
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "SECTIONS",
+    "SECTION_ALIASES",
     "CheckpointConfig",
     "DataConfig",
     "LogConfig",
@@ -140,6 +142,14 @@ class ParallelConfig:
     max_restarts: int = 0
     """Restart the local workers this many times after a failure (like torchrun
     --max-restarts); a restarted group resumes from the newest checkpoint."""
+    tp: int = 1
+    """Tensor-parallel degree (--parallelism.tp N): each group of N consecutive ranks splits
+    every layer (torch tensor parallelism, sequence parallelism on) and reads the same data;
+    fs.shard shards over the world/N data-parallel ranks. Must divide the world size and
+    data.seq_len; the model's heads, kv heads, MLP width and vocabulary must divide by it."""
+    loss_parallel: bool = False
+    """With tp > 1: keep the logits split over the vocabulary and compute the loss with
+    torch's loss_parallel (no gathered [rows, seq_len, vocab] logits). The GPT only."""
 
     def __post_init__(self) -> None:
         _int("parallel.nproc", self.nproc, 0)
@@ -147,6 +157,9 @@ class ParallelConfig:
         _choice("parallel.backend", self.backend, ("auto", "nccl", "gloo"))
         _float("parallel.timeout_s", self.timeout_s, 0.0, open_low=True)
         _int("parallel.max_restarts", self.max_restarts, 0)
+        _int("parallel.tp", self.tp, 1)
+        if not isinstance(self.loss_parallel, bool):
+            raise TypeError(f"parallel.loss_parallel={self.loss_parallel!r} must be true or false")
 
 
 @dataclass(frozen=True)
@@ -312,3 +325,7 @@ SECTIONS: dict[str, type] = {
     "log": LogConfig,
 }
 """Section name -> its dataclass, in the order config files list them."""
+
+SECTION_ALIASES: dict[str, str] = {"parallelism": "parallel"}
+"""Other spellings of a section, on the command line (``--parallelism.tp 2``) and in TOML
+files (``[parallelism]``); configs are always written with the section's own name."""

@@ -3,7 +3,8 @@
 * :func:`from_dict` builds a config from nested dicts (a parsed TOML file); an unknown section or
   key is a ``ValueError`` that lists the valid ones, a value of the wrong type a ``TypeError``.
 * :func:`apply_overrides` applies ``("optim.lr", "1e-3")`` pairs from the command line, converting
-  each string to its field's type.
+  each string to its field's type. A section may be named by an alias (``SECTION_ALIASES``:
+  ``parallelism`` for ``parallel``), in a file as on the command line.
 * :func:`to_toml` writes the config back, every field with its docstring as a comment, so that
   ``--config OUT/config.toml`` reproduces a run and documents it. (No TOML writer ships with
   Python; flat tables of scalars need only a few lines.)
@@ -21,7 +22,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from flatshard.train.config import SECTIONS, TrainConfig
+from flatshard.train.config import SECTION_ALIASES, SECTIONS, TrainConfig
 
 try:
     import tomllib
@@ -70,13 +71,14 @@ def from_dict(raw: dict[str, Any], base: TrainConfig | None = None) -> TrainConf
     top_types = _types(TrainConfig)
     top: dict[str, Any] = {}
     for key, value in raw.items():
+        key = SECTION_ALIASES.get(key, key)  # [parallelism] is [parallel]
         if key not in top_types:
             valid = [k for k in top_types if k not in SECTIONS] + [f"[{s}]" for s in SECTIONS]
             raise _unknown("top-level key or section", key, valid)
         if key in SECTIONS:
             if not isinstance(value, dict):
                 raise TypeError(f"{key} must be a [{key}] table, got {value!r}")
-            top[key] = _section(key, value, getattr(base, key))
+            top[key] = _section(key, value, top.get(key, getattr(base, key)))
         else:
             top[key] = _check_type(key, value, top_types[key])
     return dataclasses.replace(base, **top)
@@ -128,6 +130,8 @@ def apply_overrides(cfg: TrainConfig, overrides: list[tuple[str, str]]) -> Train
     top_types = _types(TrainConfig)
     for dotted, text in overrides:
         section, _, key = dotted.rpartition(".")
+        if section in SECTION_ALIASES:  # --parallelism.tp is --parallel.tp
+            section, dotted = SECTION_ALIASES[section], f"{SECTION_ALIASES[section]}.{key}"
         if not section:
             if key not in top_types or key in SECTIONS:
                 valid = [k for k in top_types if k not in SECTIONS] + [f"{s}.KEY" for s in SECTIONS]

@@ -86,9 +86,10 @@ def has_weights(path: Path) -> bool:
 
 
 def build_hf_model(
-    path: str, seed: int, seq_len: int, vocab_needed: int, **shard_kwargs
+    path: str, seed: int, seq_len: int, vocab_needed: int, *, tp_mesh=None, **shard_kwargs
 ) -> nn.Module:
-    """The sharded transformers model, initialised identically on every rank."""
+    """The sharded transformers model, initialised identically on every rank; made
+    tensor-parallel on ``tp_mesh`` first (``parallelize_hf``) when one is given."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     where = check_hf_dir(path)
@@ -97,9 +98,20 @@ def build_hf_model(
     torch.manual_seed(seed)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+    if tp_mesh is not None:
+        from flatshard.models.tensor_parallel import parallelize_hf
+
+        parallelize_hf(model, tp_mesh)
     fs.shard(model, policy=no_split_policy(model), **shard_kwargs)
     if has_weights(where):
-        fs.load(where, model=model)  # rank-sliced: each rank reads its fragments' bytes
+        try:
+            fs.load(where, model=model)  # rank-sliced: each rank reads its fragments' bytes
+        except NotImplementedError as e:
+            raise ValueError(
+                f"model.hf={path!r}: its weights cannot be read into a tensor-parallel model "
+                f"yet ({e}); fine-tune it with --parallelism.tp 1, or pre-train from a "
+                "directory holding only config.json"
+            ) from None
     return model
 
 

@@ -38,6 +38,7 @@ from flatshard.train.data import endless, load_corpus, make_sampler, validation_
 from flatshard.train.launcher import LOCAL_LAUNCH_ENV
 from flatshard.train.metrics import MetricsLog, peak_flops, read_metrics
 from flatshard.train.resolve import resolve
+from flatshard.train.tensor_parallel import check_tp
 from flatshard.train.trainer import Run, sample_text, train_loop
 
 __all__ = ["worker_main"]
@@ -80,13 +81,15 @@ def _start_point(cfg: TrainConfig, ckpt: CheckpointManager | None, resume: bool)
 
 def setup(cfg: TrainConfig, env: Env, resume: bool) -> tuple[Run, str | None]:
     """Build the run on this worker; returns it and the checkpoint to resume from."""
+    check_tp(cfg, env.world)
     corpus = load_corpus(cfg.data, hf_model.tokenizer_for(cfg.model.hf))
     model = build_model(cfg, env, corpus.tokenizer.vocab_size)
     # identical init everywhere, then a per-rank stream: dropout masks differ between ranks
     torch.manual_seed(cfg.seed * 1_000_003 + 1 + env.rank)
     optimizer = build_optimizer(model, cfg.optim)
+    # the data-parallel rank: every tp rank of a group reads the same batches
     sampler = make_sampler(
-        corpus.train, cfg.data, rank=env.rank, world=env.world, seed=cfg.seed, train=True
+        corpus.train, cfg.data, rank=env.dp_rank, world=env.dp_world, seed=cfg.seed, train=True
     )
     ckpt = None
     if cfg.checkpoint.enabled:
@@ -101,8 +104,8 @@ def setup(cfg: TrainConfig, env: Env, resume: bool) -> tuple[Run, str | None]:
     run = Run(
         cfg=cfg, env=env, model=model, optimizer=optimizer,
         scheduler=build_scheduler(optimizer, cfg.optim), corpus=corpus, sampler=sampler,
-        stream=None, val_steps=validation_steps(corpus.val, cfg.data, rank=env.rank,
-                                                world=env.world, count=cfg.log.val_batches),
+        stream=None, val_steps=validation_steps(corpus.val, cfg.data, rank=env.dp_rank,
+                                                world=env.dp_world, count=cfg.log.val_batches),
         ckpt=ckpt, log=None,
         flops_per_token=hf_model.flops_per_token(model, corpus.attention_length),
         peak_flops=peak_flops(env.device),
@@ -177,10 +180,11 @@ def restore(run: Run, path: Path) -> None:
 def _header(run: Run) -> str:
     cfg, env, corpus = run.cfg, run.env, run.corpus
     d = cfg.data
-    tokens = env.world * d.micro_batches * d.rows * d.seq_len
+    tokens = env.dp_world * d.micro_batches * d.rows * d.seq_len
+    tp = f" (dp {env.dp_world} x tp {env.tp})" if env.tp > 1 else ""
     return "\n".join([
-        f"flatshard train: {env.world} rank(s), {cfg.parallel.backend} on {env.device.type}, "
-        f"{cfg.parallel.strategy}, {cfg.precision.param_dtype}",
+        f"flatshard train: {env.world} rank(s){tp}, {cfg.parallel.backend} on "
+        f"{env.device.type}, {cfg.parallel.strategy}, {cfg.precision.param_dtype}",
         f"  model: {_model_name(run)}, {hf_model.num_params(run.model):,} parameters",
         f"  data: {corpus.source}, {_tokens_of(corpus)}: {len(corpus.train):,} training pieces, "
         f"{len(corpus.val):,} validation; {'packed' if d.packing else 'padded'} rows of "
@@ -219,7 +223,10 @@ def _finish(run: Run) -> dict[str, Any] | None:
     text = sample_text(run) if run.cfg.log.sample_tokens else ""
     if run.ckpt is not None:
         run.ckpt.wait()
-    if run.cfg.model.hf:  # the final weights as a from_pretrained directory (collective)
+    if run.cfg.model.hf and run.env.tp > 1:
+        run.say("note: no hf/ export: save_pretrained of a tensor-parallel model is not "
+                "supported yet; the checkpoints hold the weights")  # fmt: skip
+    elif run.cfg.model.hf:  # the final weights as a from_pretrained directory (collective)
         fs.save_pretrained(run.model, run.out / "hf")
         tok = getattr(run.corpus.tokenizer, "tok", None)  # the model's own tokenizer, if used
         if tok is not None and run.env.rank == 0:
@@ -250,7 +257,7 @@ def _outputs_line(run: Run) -> str:
     files = ["metrics.jsonl", *(["loss.png", "memory.png"] if plotted else []), "config.toml"]
     if run.ckpt is not None:
         files.append("checkpoints/")
-    if run.cfg.model.hf:
+    if run.cfg.model.hf and run.env.tp == 1:
         files.append("hf/ (from_pretrained)")
     line = f"wrote {run.out}/{', '.join(files)}"
     if not plotted:
@@ -330,7 +337,7 @@ def worker_main(cfg: TrainConfig, resume: bool) -> dict[str, Any] | None:
     resume = resume or restart_count() > 0
     try:
         cfg = _local_env_config(cfg)
-        env = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s)
+        env = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s, cfg.parallel.tp)
         rank = str(env.rank)
         try:
             return run_worker(cfg, env, resume)

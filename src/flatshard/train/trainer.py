@@ -24,7 +24,7 @@ import torch.distributed as dist
 import flatshard as fs
 from flatshard.models import GPT
 from flatshard.packing import PackedBatch, global_token_count, packed_cross_entropy
-from flatshard.train import hf_model
+from flatshard.train import hf_model, tensor_parallel
 from flatshard.train.build import Env
 from flatshard.train.config import TrainConfig
 from flatshard.train.data import Corpus, to_batch
@@ -73,13 +73,16 @@ def train_step(run: Run, batches: list[PackedBatch]) -> dict[str, float]:
     step's global target tokens. Returns the global loss, real tokens, gradient norm and whether
     the update was skipped (a non-finite loss or norm under ``optim.nonfinite = "skip"``)."""
     world = run.env.world
+    # every tp rank of a dp group counts the same tokens: G and W both tp times too large, so
+    # W / G is the data-parallel factor (see [Note: the trainer's (dp, tp) layout])
     targets = global_token_count([b.labels for b in batches])  # one all-reduce, all ranks
     stats = torch.zeros(2, device=run.env.device)  # [loss, real tokens]; no host sync per batch
     for b in batches:  # the same count on every rank
-        logits = hf_model.logits(run.model, b)  # [R, T, V]
-        loss = packed_cross_entropy(logits, b.labels, targets, world_size=world)
-        loss.backward()
-        stats[0] += loss.detach().float()
+        with tensor_parallel.loss_context(run.cfg):
+            logits = hf_model.logits(run.model, b)  # [R, T, V]
+            loss = packed_cross_entropy(logits, b.labels, targets, world_size=world)
+            loss.backward()
+        stats[0] += tensor_parallel.scalar(loss.detach()).float()
         stats[1] += (b.input_ids != run.corpus.tokenizer.pad_id).sum()
     clip = run.cfg.optim.grad_clip
     grad_norm = fs.clip_grad_norm_(run.model, max_norm=clip if clip > 0 else float("inf"))
@@ -101,7 +104,7 @@ def train_step(run: Run, batches: list[PackedBatch]) -> dict[str, float]:
     dist.all_reduce(memory, op=dist.ReduceOp.MAX)
     return {
         "loss": loss,
-        "tokens": stats[1].item(),
+        "tokens": stats[1].item() / run.env.tp,
         "grad_norm": norm,
         "peak_mem_mb": memory.item(),
         "skipped": float(skip),
@@ -117,7 +120,7 @@ def evaluate(run: Run) -> float | None:
     totals = torch.zeros(2, device=run.env.device)  # [token-loss sum, target count]
     for indices in run.val_steps:  # the same count on every rank
         b = to_batch(run.corpus.val, indices, run.cfg.data, run.env.device, _pad(run))
-        logits = hf_model.logits(run.model, b)
+        logits = tensor_parallel.full_logits(hf_model.logits(run.model, b))
         totals[0] += GPT.loss(logits, b.labels, reduction="sum")
         totals[1] += b.num_targets
     run.model.train()
@@ -135,7 +138,10 @@ def sample_text(run: Run) -> str:
     ids = torch.tensor(tokenizer.encode(log.sample_prompt, add_eos=False), device=device)
     gen = torch.Generator(device=device).manual_seed(run.cfg.seed)
     run.model.eval()
-    out = hf_model.generate(run.model, ids, log.sample_tokens, 0.8, 20, gen)
+    if run.env.tp > 1:
+        out = tensor_parallel.generate(run.model, ids, log.sample_tokens, run.env.tp, gen)
+    else:
+        out = hf_model.generate(run.model, ids, log.sample_tokens, 0.8, 20, gen)
     run.model.train()
     out_ids = out.tolist()
     if tokenizer.eos_id in out_ids[len(ids) :]:  # cut at the first end-of-document

@@ -34,6 +34,8 @@ from lightning_utilities.core.rank_zero import rank_zero_only
 from torch import nn
 
 from ...precision import MixedPrecision
+from .. import common
+from . import tensor_parallel as tp
 from .options import StrategyOptions, collect_options, init_process_group
 
 
@@ -54,10 +56,15 @@ class FlatshardStrategyBase:
         state_dict_type: str = "sharded",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        tensor_parallel_size: int = 1,
+        parallelize_fn: tp.ParallelizeFn | None = None,
         **kwargs: Any,
     ) -> None:
         lightning = {k: kwargs.pop(k) for k in self.lightning_keywords if k in kwargs}
         super().__init__(**lightning)
+        tp.check_arguments(tensor_parallel_size, parallelize_fn)
+        self.tensor_parallel_size, self.parallelize_fn = tensor_parallel_size, parallelize_fn
+        self._device_mesh: Any = None
         self.options = collect_options(
             policy, strategy, mixed_precision, state_dict_type, process_group_backend, timeout,
             kwargs,
@@ -84,7 +91,19 @@ class FlatshardStrategyBase:
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        """By the data-parallel rank: the tp ranks of a group read the same batches."""
+        world = self.num_nodes * self.num_processes
+        return tp.sampler_kwargs(world, self.global_rank, self.tensor_parallel_size)
+
+    @property
+    def device_mesh(self) -> Any:
+        """The ``("dp", "tp")`` DeviceMesh (built when the process group starts)."""
+        if self._device_mesh is None:
+            raise RuntimeError(
+                "FlatshardStrategy.device_mesh is built when the processes have started "
+                "(setup_environment); read it from then on, e.g. in configure_model"
+            )
+        return self._device_mesh
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -104,6 +123,19 @@ class FlatshardStrategyBase:
         """After the base's ``setup_environment``: torch.distributed up, autocast's device."""
         init_process_group(self, self.options)
         precision_plugin.device_type = self.root_device.type
+        world = self.num_nodes * self.num_processes
+        self._device_mesh = tp.build_mesh(self.root_device.type, world, self.tensor_parallel_size)
+
+    def _parallelize_and_shard(self, module: nn.Module, mixed_precision: Any) -> nn.Module:
+        """``parallelize_fn`` with the whole mesh, then ``fs.shard`` (over ``mesh["dp"]`` when
+        the module is tensor-parallel); see tensor_parallel.py."""
+        if common.is_sharded(module):
+            return module
+        module = tp.parallelize(
+            module, self.parallelize_fn, self._device_mesh, self.tensor_parallel_size
+        )
+        kwargs = self.options.shard_kwargs_with(mixed_precision)
+        return common.shard_module(module, tp.shard_kwargs(module, kwargs, self._device_mesh))
 
     def _place(self, module: nn.Module) -> nn.Module:
         """On the strategy's device before ``fs.shard`` (a meta-built module stays: fs.shard

@@ -91,8 +91,7 @@ class FlatshardStrategy(FlatshardStrategyBase, ParallelStrategy):
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         module = self._place(module)
-        kwargs = self.options.shard_kwargs_with(self.precision.mixed_precision)
-        return common.shard_module(module, kwargs)
+        return self._parallelize_and_shard(module, self.precision.mixed_precision)
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return optimizer

@@ -89,6 +89,9 @@ class FlatshardStrategy(FlatshardStrategyBase, ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self._start_process_group(self.precision_plugin)
+        # as Lightning's ModelParallelStrategy: configure_model can read self.device_mesh
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self.device_mesh
 
     # ---- the model -------------------------------------------------------------------------
     def setup(self, trainer: Any) -> None:
@@ -96,8 +99,8 @@ class FlatshardStrategy(FlatshardStrategyBase, ParallelStrategy):
         self.accelerator.setup(trainer)
         self.model = self._place(self.precision_plugin.convert_module(self.model))
         if not common.is_sharded(self.model):
-            kwargs = self.options.shard_kwargs_with(self.precision_plugin.mixed_precision)
-            common.shard_module(self.model, kwargs)
+            # in place: the LightningModule stays the model (parallelize_fn's result unused)
+            self._parallelize_and_shard(self.model, self.precision_plugin.mixed_precision)
             module = self.lightning_module
             for name in STEP_METHODS:
                 if is_overridden(name, module):
