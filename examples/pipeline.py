@@ -5,10 +5,11 @@
 A small model (embedding, blocks, norm + head) is cut into two stages. Every rank builds the
 2-D mesh (pp, dp), keeps the stage of its pp coordinate, shards it over its dp mesh with
 ``fs.shard``, wraps it in a ``PipelineStage`` and trains it with a
-``torch.distributed.pipelining`` schedule (GPipe or 1F1B). The schedule's ``loss_fn`` is the
-mean over one microbatch; the schedule divides the gradients by the number of microbatches
-(``scale_grads=True``) and flatshard averages them over dp, so each step optimises the mean
-loss of the global batch. The last stage prints the loss (averaged over dp). See
+``torch.distributed.pipelining`` schedule (GPipe or 1F1B), each step inside
+``fs.pipeline_step(schedule)`` (gradients kept over the microbatches, reduced once when the
+step ends). The schedule's ``loss_fn`` is the mean over one microbatch; the schedule divides
+the gradients by the number of microbatches (``scale_grads=True``) and flatshard averages
+them over dp, so each step optimises the mean loss of the global batch. The last stage prints the loss (averaged over dp). See
 docs/parallelism.md.
 """
 
@@ -85,10 +86,11 @@ def train(schedule_name: str, steps: int, microbatches: int, rows: int) -> list[
         x, y = batch(step, 2 * microbatches * rows)  # the global batch; this dp rank: its half
         x, y = x.chunk(2)[dp], y.chunk(2)[dp]
         losses: list[torch.Tensor] = []
-        if pp == 0:
-            schedule.step(x)
-        else:
-            schedule.step(target=y, losses=losses)
+        with fs.pipeline_step(schedule):  # gradients reduced once per step, when it ends
+            if pp == 0:
+                schedule.step(x)
+            else:
+                schedule.step(target=y, losses=losses)
         opt.step()
         opt.zero_grad()
         if pp == 1:

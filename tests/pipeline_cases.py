@@ -231,7 +231,12 @@ class Run:
         last = self.n_stages - 1 in self.ids
         if self.stall and step == 1:  # the harness's own test: peers time out, not hang
             raise RuntimeError(f"rank {dist.get_rank()} gave up at step {step}")
-        self.schedule.step(*args, target=y.chunk(DP)[self.dp_rank] if last else None)
+        target = y.chunk(DP)[self.dp_rank] if last else None
+        if self.engine == "flatshard":
+            with fs.pipeline_step(self.schedule):
+                self.schedule.step(*args, target=target)
+        else:
+            self.schedule.step(*args, target=target)
         if self.engine == "plain":  # torch's schedule alone: average over dp by hand
             for p in (p for m in self.mine for p in m.parameters() if p.grad is not None):
                 dist.all_reduce(p.grad, group=self.dp_mesh.get_group())

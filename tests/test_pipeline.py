@@ -6,8 +6,10 @@ stage sharded by flatshard must end, after 3 SGD-with-momentum steps, where a si
 trained on the global batch ends (full state dicts, 1e-6 relative). Torch FSDP2 runs the same
 recipe in the same job as the control (``fully_shard`` per block and on the stage, with
 ``reshard_after_forward=False`` as torchtitan sets it under PP): it is exact on every case, so
-a case where flatshard is not is flatshard's. Cases flatshard gets wrong today are strict
-xfails whose reason is the measured error: a fix turns them into failures to un-mark.
+a case where flatshard is not is flatshard's. flatshard's stages run each step inside
+``fs.pipeline_step(schedule)``: one reduce-scatter per unit per step (counted). The
+split-backward schedules (ZeroBubble, ZBV, DualPipeV) are refused before their first step with
+an error naming the schedules to use (their weight pass is not supported yet).
 
 One pool job per schedule (its microbatch counts and both engines); every wait of a case has a
 15 s timeout, so a stuck case fails fast and the pool keeps running (``pipeline_cases``).
@@ -54,35 +56,12 @@ CASES = [
     for m in MICROBATCHES
     if (s, m, k) not in TORCH_REFUSES
 ]
-_LOST_W = (
-    "weight gradients of split-backward (I/W) microbatches never reach flatshard: UnitViews "
-    "(engine/hooks.py:74) hangs off unit.anchor, not the fragments that submod.parameters() "
-    "yields, so torch's stage_backward_input (pipelining/_backward.py:216) finds no parameter "
-    "group, the W pass computes nothing, and finish_backward (engine/state.py:255) reduces the "
-    "never-run units as unused, silently; measured (SGD): "
-)
-_NEVER_MOVES = "err 1.0 (the last stage's norm.bias never moves)"
-BROKEN = {  # (schedule, microbatches, stages per rank) -> why (FSDP2's control is exact)
-    ("InterleavedZeroBubble", 2, 2): _LOST_W + _NEVER_MOVES,
-    ("InterleavedZeroBubble", 4, 2): _LOST_W + _NEVER_MOVES,
-    ("InterleavedZeroBubble", 2, 1): _LOST_W + _NEVER_MOVES,
-    ("InterleavedZeroBubble", 4, 1): _LOST_W + _NEVER_MOVES,
-    ("ZBVZeroBubble", 2, 2): _LOST_W + _NEVER_MOVES,
-    ("ZBVZeroBubble", 4, 2): _LOST_W + _NEVER_MOVES,
-    ("DualPipeV", 4, 2): _LOST_W + "err 0.43 (its I/W microbatches' share is missing)",
+SPLIT_BACKWARD = {  # refused by fs.pipeline_step before the first step (FSDP2 is exact)
+    c for c in CASES if c[0] in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 }
 ENGINES = ("flatshard", "fsdp2_keep")
 SLOW_ENGINES = ("fsdp2", "plain")
 JOB_TIMEOUT_S = 30  # per job, plus 10 s per spec: only a crashed worker waits this long
-
-
-def _marked(cases, broken: dict) -> list:
-    return [
-        pytest.param(*c, marks=pytest.mark.xfail(strict=True, reason=broken[c]))
-        if c in broken
-        else c
-        for c in cases
-    ]
 
 
 def _job(pool, schedule: str, engines: tuple, optim: str) -> dict:
@@ -141,31 +120,33 @@ def test_fsdp2_control_matches_single_process(results, schedule, microbatches, p
     _check_exact(results(schedule)[microbatches, per_rank, "fsdp2_keep"])
 
 
-@pytest.mark.parametrize(ARGS, _marked(CASES, BROKEN))
+EXACT = [c for c in CASES if c not in SPLIT_BACKWARD]
+
+
+@pytest.mark.parametrize(ARGS, EXACT)
 def test_flatshard_stages_match_single_process(results, schedule, microbatches, per_rank):
     r = results(schedule)[microbatches, per_rank, "flatshard"]
     _check_exact(r)
     assert r["holders"] == [0, 2], "the full state dict lives on each dp mesh's first rank"
-    # one reduce-scatter per microbatch today, one per step once issue 28 lands
-    assert r["rs_per_unit_step"] in (1, microbatches), r
 
 
-EXACT = [c for c in CASES if c not in BROKEN]
-
-
-PER_MICROBATCH = (
-    "issue 28: one reduce-scatter per unit per step; measured: one per microbatch (2 or 4 per "
-    "unit per step): each of the schedule's backward calls ends flatshard's backward"
-)
-
-
-@pytest.mark.parametrize(ARGS, _marked(EXACT, dict.fromkeys(EXACT, PER_MICROBATCH)))
+@pytest.mark.parametrize(ARGS, EXACT)
 def test_one_reduce_scatter_per_unit_per_step(results, schedule, microbatches, per_rank):
-    assert results(schedule)[microbatches, per_rank, "flatshard"]["rs_per_unit_step"] == 1
+    """fs.pipeline_step keeps the flat gradients over the microbatches and reduces once."""
+    r = results(schedule)[microbatches, per_rank, "flatshard"]
+    assert r["rs_per_unit_step"] == 1 and r["rs_min"] == 1, r
+
+
+@pytest.mark.parametrize(ARGS, sorted(SPLIT_BACKWARD))
+def test_split_backward_schedules_are_refused_before_their_first_step(
+    results, schedule, microbatches, per_rank
+):
+    r = results(schedule)[microbatches, per_rank, "flatshard"]
+    assert "splits backward" in r.get("error", "") and "ScheduleInterleaved1F1B" in r["error"], r
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(ARGS, _marked(CASES, BROKEN))
+@pytest.mark.parametrize(ARGS, EXACT)
 def test_adamw(results, schedule, microbatches, per_rank):
     by_engine = results(schedule, ENGINES, "adamw")
     _check_exact(by_engine[microbatches, per_rank, "fsdp2_keep"], "adamw")
@@ -225,3 +206,13 @@ def test_example_runs_under_torchrun(schedule):
     assert done.returncode == 0, done.stderr[-3000:]
     losses = [float(line.split()[-1]) for line in done.stdout.splitlines() if "loss" in line]
     assert len(losses) == 8 and losses[-1] < 0.5 * losses[0], done.stdout
+
+
+def test_pipeline_step_takes_the_schedule():
+    import flatshard as fs
+
+    with (
+        pytest.raises(TypeError, match=r"pass the torch\.distributed\.pipelining schedule"),
+        fs.pipeline_step(object()),
+    ):
+        pass

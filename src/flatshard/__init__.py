@@ -38,6 +38,7 @@ _WHERE = {
     "units": "introspect",
     "register_method": "methods",
     "CPUOffload": "offload",
+    "pipeline_step": "pipeline",
     "full_optimizer_state_dict": "optim_state",
     "load_full_optimizer_state_dict": "optim_state",
     "FragmentInfo": "params",
@@ -74,6 +75,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
     from .offload import CPUOffload
     from .optim_state import full_optimizer_state_dict, load_full_optimizer_state_dict
     from .params import FragmentInfo, fragment_info, full_shape
+    from .pipeline import pipeline_step
     from .precision import MixedPrecision
     from .prefetch import Prefetch
     from .state_dict import full_state_dict, load_full_state_dict, summon_full_params
@@ -123,6 +125,7 @@ __all__ = [
     "memory_stats",
     "no_sync",
     "optim",
+    "pipeline_step",
     "register_method",
     "save",
     "save_pretrained",

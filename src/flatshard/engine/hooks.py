@@ -48,7 +48,9 @@ class UnitViews(torch.autograd.Function):
     its gradients to the unit's."""
 
     @staticmethod
-    def forward(ctx, anchor: torch.Tensor, state: ShardedState, unit: Unit, counted: bool):  # type: ignore[override]
+    def forward(
+        ctx, anchor: torch.Tensor, state: ShardedState, unit: Unit, counted: bool, *fragments
+    ):  # type: ignore[override]
         del anchor  # only there so that autograd calls backward
         ctx.state, ctx.unit, ctx.counted = state, unit, counted
         ctx.set_materialize_grads(False)
@@ -305,7 +307,7 @@ def _call_done(state: ShardedState, unit: Unit) -> None:
     _queue_final_callback(state)
     unit.grad.pending_nodes = max(0, unit.grad.pending_nodes - 1)
     if unit.grad.pending_nodes == 0:
-        if state.mode is not StateMode.ACCUMULATE:
+        if not state.mode.defers_reduction:
             state.launch_reduce(unit)
         unit.install_fragments()
         unit.reshard(state.timeout)
@@ -315,7 +317,7 @@ def _call_done(state: ShardedState, unit: Unit) -> None:
 
 def _reduce_right_away(state: ShardedState, unit: Unit) -> bool:
     """This call's gradients are the unit's last of this backward and get reduced next."""
-    return unit.grad.pending_nodes == 1 and state.mode is not StateMode.ACCUMULATE
+    return unit.grad.pending_nodes == 1 and not state.mode.defers_reduction
 
 
 def _queue_final_callback(state: ShardedState) -> None:

@@ -41,6 +41,14 @@ class StateMode(enum.Enum):
     TRAIN = "train"  # gather, compute on views, reduce, release
     SUMMONED = "summoned"  # inside summon_full_params: full parameters installed, hooks aside
     ACCUMULATE = "accumulate"  # inside no_sync(keep="unsharded"): flat gradients kept
+    # inside fs.pipeline_step: flat gradients kept over the schedule's microbatches (and its
+    # split backward), reduced once when the step ends (see pipeline.py)
+    PIPELINE = "pipeline"
+
+    @property
+    def defers_reduction(self) -> bool:
+        """Backward keeps the units' flat gradients instead of reducing them."""
+        return self in (StateMode.ACCUMULATE, StateMode.PIPELINE)
 
 
 @dataclass
@@ -249,7 +257,7 @@ class ShardedState:
     def finish_backward(self) -> None:
         """End of backward: reduce what never reduced, wait, agree on usage, assign grads."""
         self.final_callback_queued = False
-        if self.mode is StateMode.ACCUMULATE:  # flat gradients stay for the next micro-batch
+        if self.mode.defers_reduction:  # flat gradients stay for the next micro-batch
             for unit in self.units:
                 unit.grad.pending_nodes = 0
             self.reshard_all()

@@ -1,0 +1,113 @@
+"""``fs.pipeline_step``: sharded stages inside a ``torch.distributed.pipelining`` schedule.
+
+A schedule runs every microbatch's forward and backward inside one ``schedule.step()``, with
+several microbatches' graphs alive at once, and the split-backward schedules
+(``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``) run each
+backward as an input pass and a later weight pass. torch gives FSDP2 modules special handling
+inside its stage (no gradient sync until the last microbatch, then a manual post-backward);
+flatshard modules get the same from one call around the step::
+
+    with fs.pipeline_step(schedule):
+        schedule.step(x, target=y)
+    optimizer.step()
+
+Inside the block every backward keeps the units' flat gradients (as ``fs.no_sync`` does);
+leaving the block reduces every unit once, over its own mesh, and assigns ``.grad``. torch
+divides the gradients by the microbatches (``scale_grads=True``) at its last backward, before
+flatshard assigns them: ``pipeline_step`` applies that division to what it reduces (so zero
+the gradients between steps, as torch expects).
+
+Gathers: a unit is released after each microbatch's backward (and after its forward under
+full_shard) and regathered by the next use, so a step holds the memory of one microbatch's
+units, at one gather per unit per microbatch forward and backward. Split-backward schedules
+are refused before their first step (``_refuse_split_backward``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from .engine.state import ShardedState, StateMode, get_state
+
+
+@contextmanager
+def pipeline_step(schedule) -> Iterator[None]:
+    """One optimizer step of ``schedule`` (a ``torch.distributed.pipelining`` schedule whose
+    stages wrap sharded modules): gradients are reduced once per unit, when the block ends,
+    and scaled as the schedule scales them (``scale_grads``: divided by the microbatches).
+    Every rank of the pipeline enters it around its ``schedule.step``."""
+    states, scale = _stage_states(schedule)
+    _refuse_split_backward(schedule)
+    for state in states:
+        if state.mode is not StateMode.TRAIN:
+            raise ValueError(
+                f"fs.pipeline_step: a stage is in mode {state.mode.value!r} (inside no_sync, "
+                "summon_full_params or another pipeline_step); leave that block first"
+            )
+    for state in states:
+        state.mode = StateMode.PIPELINE
+    try:
+        yield
+    except BaseException:
+        for state in states:  # nothing of a failed step may leak into the next one
+            state.mode = StateMode.TRAIN
+            for unit in state.units:
+                unit.reset_grad_state()
+        raise
+    for state in states:
+        state.mode = StateMode.TRAIN
+        _scale_kept_grads(state, scale)
+        state.finish_backward()  # reduce each unit once, wait, agree on usage, assign .grad
+
+
+def _scale_kept_grads(state: ShardedState, scale: float) -> None:
+    """torch's schedule divides ``p.grad`` by the microbatches at its last backward, before
+    flatshard has assigned any: the kept flat gradients get that division instead."""
+    if scale == 1.0:
+        return
+    for unit in state.units:
+        for flat in unit.grad.flat_grads:
+            if flat is not None:
+                flat.mul_(scale)
+
+
+SPLIT_BACKWARD = {"ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
+
+
+def _refuse_split_backward(schedule) -> None:
+    """A schedule whose backward is an input pass and a later weight pass is refused before
+    its first step: the weight pass reads saved views of units that the input pass, or a
+    forward in between, released (see docs/parallelism.md)."""
+    from torch.distributed.pipelining.schedules import _ComputationType
+
+    order = getattr(schedule, "pipeline_order", None) or {}
+    weight_pass = any(
+        a is not None and a.computation_type == _ComputationType.BACKWARD_WEIGHT
+        for actions in order.values()
+        for a in actions
+    )
+    if weight_pass or type(schedule).__name__ in SPLIT_BACKWARD:
+        raise NotImplementedError(
+            f"fs.pipeline_step: {type(schedule).__name__} splits backward into input and weight "
+            "passes, which flatshard stages do not support yet; use ScheduleInterleaved1F1B "
+            "(or ScheduleLoopedBFS, Schedule1F1B, ScheduleGPipe): exact, one reduction per step"
+        )
+
+
+def _stage_states(schedule) -> tuple[list[ShardedState], float]:
+    """The sharded states of the schedule's stages on this rank (each once, in stage order)
+    and the factor its ``scale_grads`` applies."""
+    stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]
+    if not hasattr(schedule, "_n_microbatches") or any(s is None for s in stages):
+        raise TypeError(
+            f"fs.pipeline_step(schedule): got {type(schedule).__name__}; pass the "
+            "torch.distributed.pipelining schedule (e.g. Schedule1F1B) whose step() you run"
+        )
+    states: list[ShardedState] = []
+    for stage in stages:
+        state = get_state(stage.submod)
+        if not any(state is s for s in states):
+            states.append(state)
+    scale = 1.0 / schedule._n_microbatches if getattr(schedule, "scale_grads", True) else 1.0
+    return states, scale
