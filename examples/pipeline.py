@@ -9,8 +9,8 @@ A small model (embedding, blocks, norm + head) is cut into two stages. Every ran
 ``fs.pipeline_step(schedule)`` (gradients kept over the microbatches, reduced once when the
 step ends). The schedule's ``loss_fn`` is the mean over one microbatch; the schedule divides
 the gradients by the number of microbatches (``scale_grads=True``) and flatshard averages
-them over dp, so each step optimises the mean loss of the global batch. The last stage prints the loss (averaged over dp). See
-docs/parallelism.md.
+them over dp, so each step optimises the mean loss of the global batch. The last stage
+prints the loss (averaged over dp). See docs/parallelism.md.
 """
 
 from __future__ import annotations

@@ -7,9 +7,8 @@ trained on the global batch ends (full state dicts, 1e-6 relative). Torch FSDP2 
 recipe in the same job as the control (``fully_shard`` per block and on the stage, with
 ``reshard_after_forward=False`` as torchtitan sets it under PP): it is exact on every case, so
 a case where flatshard is not is flatshard's. flatshard's stages run each step inside
-``fs.pipeline_step(schedule)``: one reduce-scatter per unit per step (counted). The
-split-backward schedules (ZeroBubble, ZBV, DualPipeV) are refused before their first step with
-an error naming the schedules to use (their weight pass is not supported yet).
+``fs.pipeline_step(schedule)``: one reduce-scatter per unit per step (counted), the
+split-backward schedules (ZeroBubble, ZBV, DualPipeV) included.
 
 One pool job per schedule (its microbatch counts and both engines); every wait of a case has a
 15 s timeout, so a stuck case fails fast and the pool keeps running (``pipeline_cases``).
@@ -56,9 +55,6 @@ CASES = [
     for m in MICROBATCHES
     if (s, m, k) not in TORCH_REFUSES
 ]
-SPLIT_BACKWARD = {  # refused by fs.pipeline_step before the first step (FSDP2 is exact)
-    c for c in CASES if c[0] in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-}
 ENGINES = ("flatshard", "fsdp2_keep")
 SLOW_ENGINES = ("fsdp2", "plain")
 JOB_TIMEOUT_S = 30  # per job, plus 10 s per spec: only a crashed worker waits this long
@@ -120,33 +116,22 @@ def test_fsdp2_control_matches_single_process(results, schedule, microbatches, p
     _check_exact(results(schedule)[microbatches, per_rank, "fsdp2_keep"])
 
 
-EXACT = [c for c in CASES if c not in SPLIT_BACKWARD]
-
-
-@pytest.mark.parametrize(ARGS, EXACT)
+@pytest.mark.parametrize(ARGS, CASES)
 def test_flatshard_stages_match_single_process(results, schedule, microbatches, per_rank):
     r = results(schedule)[microbatches, per_rank, "flatshard"]
     _check_exact(r)
     assert r["holders"] == [0, 2], "the full state dict lives on each dp mesh's first rank"
 
 
-@pytest.mark.parametrize(ARGS, EXACT)
+@pytest.mark.parametrize(ARGS, CASES)
 def test_one_reduce_scatter_per_unit_per_step(results, schedule, microbatches, per_rank):
     """fs.pipeline_step keeps the flat gradients over the microbatches and reduces once."""
     r = results(schedule)[microbatches, per_rank, "flatshard"]
     assert r["rs_per_unit_step"] == 1 and r["rs_min"] == 1, r
 
 
-@pytest.mark.parametrize(ARGS, sorted(SPLIT_BACKWARD))
-def test_split_backward_schedules_are_refused_before_their_first_step(
-    results, schedule, microbatches, per_rank
-):
-    r = results(schedule)[microbatches, per_rank, "flatshard"]
-    assert "splits backward" in r.get("error", "") and "ScheduleInterleaved1F1B" in r["error"], r
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize(ARGS, EXACT)
+@pytest.mark.parametrize(ARGS, CASES)
 def test_adamw(results, schedule, microbatches, per_rank):
     by_engine = results(schedule, ENGINES, "adamw")
     _check_exact(by_engine[microbatches, per_rank, "fsdp2_keep"], "adamw")

@@ -17,10 +17,15 @@ divides the gradients by the microbatches (``scale_grads=True``) at its last bac
 flatshard assigns them: ``pipeline_step`` applies that division to what it reduces (so zero
 the gradients between steps, as torch expects).
 
-Gathers: a unit is released after each microbatch's backward (and after its forward under
-full_shard) and regathered by the next use, so a step holds the memory of one microbatch's
-units, at one gather per unit per microbatch forward and backward. Split-backward schedules
-are refused before their first step (``_refuse_split_backward``).
+Split backward (ZeroBubble, ZBV, DualPipeV: an input pass, then a weight pass): inside the
+block the fragments are leaves of the graph, so torch's weight pass reaches the units' nodes,
+and the saved views it unpacks regather a released unit on demand (see [Note: fragments in the
+graph] in engine/hooks.py).
+
+Gathers: a unit is released after each microbatch's backward pass (and after its forward under
+full_shard) and regathered at its next use, so a step holds one microbatch's units, at one
+gather per unit per microbatch forward and backward (plus one in a weight pass that finds its
+unit released).
 """
 
 from __future__ import annotations
@@ -38,7 +43,6 @@ def pipeline_step(schedule) -> Iterator[None]:
     and scaled as the schedule scales them (``scale_grads``: divided by the microbatches).
     Every rank of the pipeline enters it around its ``schedule.step``."""
     states, scale = _stage_states(schedule)
-    _refuse_split_backward(schedule)
     for state in states:
         if state.mode is not StateMode.TRAIN:
             raise ValueError(
@@ -70,29 +74,6 @@ def _scale_kept_grads(state: ShardedState, scale: float) -> None:
         for flat in unit.grad.flat_grads:
             if flat is not None:
                 flat.mul_(scale)
-
-
-SPLIT_BACKWARD = {"ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
-
-
-def _refuse_split_backward(schedule) -> None:
-    """A schedule whose backward is an input pass and a later weight pass is refused before
-    its first step: the weight pass reads saved views of units that the input pass, or a
-    forward in between, released (see docs/parallelism.md)."""
-    from torch.distributed.pipelining.schedules import _ComputationType
-
-    order = getattr(schedule, "pipeline_order", None) or {}
-    weight_pass = any(
-        a is not None and a.computation_type == _ComputationType.BACKWARD_WEIGHT
-        for actions in order.values()
-        for a in actions
-    )
-    if weight_pass or type(schedule).__name__ in SPLIT_BACKWARD:
-        raise NotImplementedError(
-            f"fs.pipeline_step: {type(schedule).__name__} splits backward into input and weight "
-            "passes, which flatshard stages do not support yet; use ScheduleInterleaved1F1B "
-            "(or ScheduleLoopedBFS, Schedule1F1B, ScheduleGPipe): exact, one reduction per step"
-        )
 
 
 def _stage_states(schedule) -> tuple[list[ShardedState], float]:

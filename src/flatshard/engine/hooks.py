@@ -13,6 +13,15 @@ Flow per unit and iteration:
   end of backward  (one queued autograd callback) reduce units whose node never ran, wait,
                 agree across ranks on which parameters were used, assign ``.grad``
 
+[Note: fragments in the graph]
+Inside ``fs.pipeline_step`` ``UnitViews`` also takes the unit's trainable fragments as inputs,
+which makes them leaves of the autograd graph, as an unsharded module's parameters are: the
+split-backward schedules run their weight pass as ``autograd.grad`` from saved intermediates
+*to the stage's parameters* (``pipelining/_backward.py``), and that pass is what runs the
+units' nodes then. The fragments get zeros (the real gradients arrive reduced when the step
+ends); the saved views such a late pass unpacks regather their unit on demand
+(``saved_views.enter_regathering``). Outside ``pipeline_step`` the node has no such inputs.
+
 [Note: one autograd node per unit call]
 ``UnitViews`` returns every full-shape parameter view of the unit's trainable groups, so its
 backward receives all their gradients at once, ``None`` exactly for parameters this call did
@@ -53,6 +62,7 @@ class UnitViews(torch.autograd.Function):
     ):  # type: ignore[override]
         del anchor  # only there so that autograd calls backward
         ctx.state, ctx.unit, ctx.counted = state, unit, counted
+        ctx.fragments = len(fragments)  # see [Note: fragments in the graph]
         ctx.set_materialize_grads(False)
         return tuple(v for gi in unit.trainable_groups for v in unit.groups[gi].full_views())
 
@@ -62,7 +72,9 @@ class UnitViews(torch.autograd.Function):
             on_unit_grads(ctx.state, ctx.unit, grads)
         else:
             accumulate_grads(ctx.state, ctx.unit, grads, final=False)
-        return None, None, None, None
+        # Zeros for the fragments (the real gradients arrive reduced, when the step ends).
+        zeros = [torch.zeros_like(f) for f in ctx.unit.trainable_fragments[: ctx.fragments]]
+        return None, None, None, None, *zeros
 
 
 def make_views(
@@ -73,7 +85,8 @@ def make_views(
     trainable = unit.trainable_groups
     if not (trainable and torch.is_grad_enabled()):
         return unit.as_parameters([g.full_views() for g in unit.groups]), None
-    outs = UnitViews.apply(unit.anchor, state, unit, counted)
+    leaves = unit.trainable_fragments if state.mode is StateMode.PIPELINE else ()
+    outs = UnitViews.apply(unit.anchor, state, unit, counted, *leaves)
     it = iter(outs)
     views = [
         [next(it) for _ in g.specs] if g.requires_grad else g.full_views() for g in unit.groups
@@ -139,6 +152,8 @@ def _pre_forward(state: ShardedState, unit: Unit, module, args, kwargs):
         state.prefetch(state.ahead(state.forward_order, unit, state.prefetch_policy.forward))
     if unit.regather_on_demand:  # see [Note: the lazy root]
         unit.lazy_now = lazy_root.enter(unit, partial(state.gather_for_step, unit))
+    elif state.mode is StateMode.PIPELINE:  # see [Note: fragments in the graph]
+        saved_views.enter_regathering(unit, partial(state.gather_for_step, unit))
     else:
         saved_views.enter(state.pool, unit)
     views, node = make_views(state, unit)

@@ -113,6 +113,37 @@ def enter(pool: GatherPool | None, unit: Unit) -> None:
     unit.saved_hooks.append(hooks)
 
 
+def enter_regathering(unit: Unit, regather: Callable[[], None]) -> None:
+    """Pre-forward inside ``fs.pipeline_step``: every saved tensor that views one of ``unit``'s
+    buffers (pooled, private or a bucket's) becomes a ``SavedView`` that gathers the unit
+    again when a later pass (a split backward's weight pass) unpacks it after a release.
+    Chained behind an enclosing unit's hooks as ``enter``; nothing under someone else's."""
+    active = active_hooks()
+    if not torch.is_grad_enabled() or active in (FOREIGN, CHECKPOINT):
+        unit.saved_hooks.append(None)
+        return
+    outer = active[0] if active is not None else None
+    owners = {g.full.untyped_storage().data_ptr(): g for g in unit.groups if g.is_allocated}
+
+    def pack(tensor: torch.Tensor) -> Any:
+        try:
+            group = owners.get(tensor.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # no plain storage (sparse, nested, ...)
+            group = None
+        if group is not None:
+            size, stride = tuple(tensor.size()), tensor.stride()
+            return SavedView(group, tensor.storage_offset(), size, stride, regather)
+        return tensor.detach() if outer is None else outer(tensor)
+
+    def unpack(saved: Any) -> torch.Tensor:
+        return saved.rebuild() if isinstance(saved, SavedView) else saved
+
+    pack.flatshard_pool = None  # type: ignore[attr-defined]  # flatshard's: inner units chain
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+    hooks.__enter__()
+    unit.saved_hooks.append(hooks)
+
+
 def leave(unit: Unit) -> None:
     """Post-forward of ``unit``: undo the matching :func:`enter`."""
     if unit.saved_hooks and (hooks := unit.saved_hooks.pop()) is not None:

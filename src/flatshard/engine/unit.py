@@ -98,6 +98,10 @@ class Unit:
             self._add_group(members, slots_by_param, label, mixed_precision, offload)
         self.trainable_groups = [i for i, g in enumerate(self.groups) if g.requires_grad]
         self.has_tp = any(g.has_tp for g in self.groups)
+        # Extra inputs of ``UnitViews`` inside fs.pipeline_step ([Note: fragments in the graph]).
+        self.trainable_fragments = [
+            s.fragment for gi in self.trainable_groups for s in self.groups[gi].specs
+        ]
         # A zero-size leaf that makes autograd call ``UnitViews.backward`` (see hooks.py).
         self.anchor = torch.empty(0, device=device, requires_grad=True)
         self.state = ParamState.SHARDED
