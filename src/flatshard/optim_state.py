@@ -23,6 +23,7 @@ from .comm.collectives import all_gather_into, broadcast
 from .engine.compile_boundary import plain_name
 from .engine.state import get_state
 from .engine.tensor_parallel import refuse_tp
+from .engine.unit_mesh import refuse_unit_meshes
 
 __all__ = ["full_optimizer_state_dict", "load_full_optimizer_state_dict"]
 
@@ -70,6 +71,7 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     """Rank 0: ``optimizer``'s full state keyed by parameter name; other ranks ``{}``.
     Every rank must call it (it gathers)."""
     refuse_tp(get_state(model), "fs.full_optimizer_state_dict")
+    refuse_unit_meshes(get_state(model), "fs.full_optimizer_state_dict")
     names, timeout = _names(model), get_state(model).timeout
     out: dict[str, dict] = {}
     for unit, group in _groups(model):
@@ -123,6 +125,7 @@ def load_full_optimizer_state_dict(
     rank must call it; the optimizer must have the saving one's param groups."""
     names = _names(model)
     refuse_tp(get_state(model), "fs.load_full_optimizer_state_dict")
+    refuse_unit_meshes(get_state(model), "fs.load_full_optimizer_state_dict")
     mesh = get_state(model).topology
     is_rank0 = mesh.is_mesh_first
     saved = osd.get("state", {}) if is_rank0 else {}

@@ -22,6 +22,7 @@ from .engine.masters import master_views
 from .engine.state import ShardedState, StateMode, get_state
 from .engine.tensor_parallel import full_tensor, is_dtensor, local_part
 from .engine.unit import Unit
+from .engine.unit_mesh import refuse_unit_meshes
 from .params import fragment_tag, full_shape, is_fragment
 
 
@@ -31,6 +32,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     ``state_dict()`` (tied names included). Other ranks: ``{}``. Every rank of the model's
     mesh must call it (it gathers)."""
     state = get_state(model)
+    refuse_unit_meshes(state, "fs.full_state_dict")
     is_rank0 = state.topology.is_mesh_first
     refs = model.state_dict(keep_vars=True)
     keys_of_unit: dict[int, list[tuple[str, int, int]]] = {}
@@ -63,6 +65,7 @@ def load_full_state_dict(model: nn.Module, sd: dict, *, strict: bool = True) -> 
     nothing hangs).
     """
     state = get_state(model)
+    refuse_unit_meshes(state, "fs.load_full_state_dict")
     state.reshard_all()
     is_source = state.topology.is_mesh_first and (state.tp is None or state.tp.is_tp_first)
     refs = model.state_dict(keep_vars=True)

@@ -2,6 +2,8 @@
 
 A policy is any ``callable(module) -> bool``. Matched modules become units bottom-up (a matched
 module nested in another matched module is its own unit); everything left belongs to the root unit.
+A policy may also return a ``DeviceMesh`` (or ``ProcessGroup``) for a module: that module becomes a
+unit sharded over that mesh instead of the model's (per-unit meshes, see engine/unit_mesh.py).
 
 [Note: ownership of shared parameters]
 A parameter object registered in several modules (tied embeddings, a weight shared between two
@@ -16,13 +18,13 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
 log = logging.getLogger("flatshard")
 
-Policy = Callable[[nn.Module], bool]
+Policy = Callable[[nn.Module], object]  # bool, or the mesh of the unit it makes
 
 
 class by_type:
@@ -139,6 +141,9 @@ class WrapPlan:
     unit_modules: list[nn.Module]  # post-order, the root module last
     owner: dict[int, int]  # id(parameter) -> index into unit_modules
     matched_any: bool
+    # id(unit module) -> the DeviceMesh or ProcessGroup the policy returned for it (a unit
+    # sharded over its own mesh, e.g. experts over the expert-data-parallel mesh)
+    meshes: dict[int, object] = field(default_factory=dict)
 
 
 def build_plan(root: nn.Module, policy: Policy | None) -> WrapPlan:
@@ -146,27 +151,30 @@ def build_plan(root: nn.Module, policy: Policy | None) -> WrapPlan:
     if hasattr(policy, "bind"):
         policy.bind(root)
     unit_modules: list[nn.Module] = []
-    matched = _collect_units(root, policy, unit_modules, is_root=True)[1]
+    meshes: dict[int, object] = {}
+    matched = _collect_units(root, policy, unit_modules, meshes, is_root=True)[1]
     unit_of_module = _innermost_unit_of_each_module(root, unit_modules)
     owner = _owners(root, unit_modules, unit_of_module)
-    return WrapPlan(unit_modules, owner, matched)
+    return WrapPlan(unit_modules, owner, matched, meshes)
 
 
 def _collect_units(
-    module: nn.Module, policy: Policy | None, out: list[nn.Module], *, is_root: bool
+    module: nn.Module, policy: Policy | None, out: list[nn.Module], meshes: dict, *, is_root: bool
 ) -> tuple[int, bool]:
     """Post-order walk. Returns (numel not yet wrapped below and at ``module``, matched any)."""
     unwrapped = sum(p.numel() for p in module.parameters(recurse=False))
     matched_any = False
     for child in module.children():
-        child_numel, child_matched = _collect_units(child, policy, out, is_root=False)
+        child_numel, child_matched = _collect_units(child, policy, out, meshes, is_root=False)
         unwrapped += child_numel
         matched_any |= child_matched
     if is_root:
         out.append(module)
         return 0, matched_any
-    if policy is not None and _matches(policy, module, unwrapped):
+    if policy is not None and (decision := _matches(policy, module, unwrapped)):
         out.append(module)
+        if decision is not True:  # a mesh: the unit is sharded over it
+            meshes[id(module)] = decision
         return 0, True
     return unwrapped, matched_any
 
@@ -175,17 +183,26 @@ def _collect_units(
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
 
-def _matches(policy: Policy, module: nn.Module, unwrapped_numel: int) -> bool:
+def _matches(policy: Policy, module: nn.Module, unwrapped_numel: int) -> object:
+    """False, True, or the mesh (DeviceMesh or ProcessGroup) the policy returned."""
     if isinstance(policy, by_size):
         return not isinstance(module, CONTAINERS) and policy.decide(module, unwrapped_numel)
-    matched = bool(policy(module))
+    decision = policy(module)
+    matched = bool(decision) if not _is_mesh(decision) else True
     if matched and isinstance(module, CONTAINERS):
         raise ValueError(
             f"policy={policy!r} matched a {type(module).__name__}, which has no forward of its "
             "own, so flatshard could never gather it; make the policy match its elements "
             "(e.g. the block class) instead"
         )
-    return matched
+    return decision if matched and _is_mesh(decision) else matched
+
+
+def _is_mesh(value: object) -> bool:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return isinstance(value, DeviceMesh | dist.ProcessGroup)
 
 
 def _innermost_unit_of_each_module(

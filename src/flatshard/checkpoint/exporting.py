@@ -19,6 +19,7 @@ from torch import nn
 from ..engine.masters import master_views
 from ..engine.state import get_state
 from ..engine.tensor_parallel import refuse_tp
+from ..engine.unit_mesh import refuse_unit_meshes
 from ..params import fragment_tag
 from . import agree
 from .layout import ModelLayout, dtype_from_name, model_layout
@@ -58,6 +59,7 @@ def unit_keys_of(model: nn.Module, layout: ModelLayout) -> dict[int, list[str]]:
 def _export_model(model: nn.Module, out: Path) -> Path | None:
     state = get_state(model)
     refuse_tp(state, "fs.export_safetensors")
+    refuse_unit_meshes(state, "fs.export_safetensors")
     layout = model_layout(model)
     unit_keys = unit_keys_of(model, layout)
     order = [k for unit in state.units for k in unit_keys.get(unit.index, [])]

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..engine.state import StateMode, get_state
+from ..engine.unit_mesh import refuse_unit_meshes
 from ..params import fragment_tag
 from . import jsonable
 from .planner import Item, Pickled, Sharded
@@ -65,6 +66,7 @@ class ModelLayout:
 def model_layout(model: nn.Module) -> ModelLayout:
     """Parameters, buffers and aliases of a sharded ``model``, keyed like its ``state_dict``."""
     state = get_state(model)
+    refuse_unit_meshes(state, "fs.save / fs.load")
     if state.mode is StateMode.SUMMONED:
         raise ValueError(
             "cannot checkpoint inside fs.summon_full_params (parameters are full views there); "

@@ -22,6 +22,7 @@ from torch import nn
 from ..engine.masters import master_views
 from ..engine.state import get_state
 from ..engine.tensor_parallel import refuse_tp
+from ..engine.unit_mesh import refuse_unit_meshes
 from . import agree
 from .exporting import header_entry, unit_keys_of
 from .layout import model_layout
@@ -107,6 +108,7 @@ def save_pretrained(
     limit = parse_size(max_shard_size)
     state = get_state(model)
     refuse_tp(state, "fs.save_pretrained")
+    refuse_unit_meshes(state, "fs.save_pretrained")
     layout = model_layout(model)
     tied = layout.aliases  # written once, under the first name
     keys = {u: [k for k in ks if k not in tied] for u, ks in unit_keys_of(model, layout).items()}

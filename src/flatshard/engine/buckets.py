@@ -183,6 +183,8 @@ def _offsets(groups: list[FlatGroup]) -> dict[torch.dtype, tuple[dict[int, int],
 def coalescible(unit: Unit, root: torch.nn.Module) -> bool:
     """May ``unit`` share collectives? Not the root (gathered around every other unit's
     forward), and only sharded groups (no_shard has nothing to gather)."""
+    if unit.topology.divide_by is not None:  # on its own mesh: see [Note: per-unit meshes]
+        return False
     return unit.module is not root and all(
         not g.replicated and unit.process_group is not None for g in unit.groups
     )

@@ -25,6 +25,7 @@ from .state import ShardedState
 from .strategy import reshards_after_forward
 from .tensor_parallel import spec_of
 from .unit import Unit, UnitRole
+from .unit_mesh import unit_topology
 
 
 def build_state(
@@ -68,7 +69,7 @@ def describe(model: nn.Module, plan: WrapPlan, options: ShardOptions) -> list[st
     """What this rank is about to shard (the fingerprint's lines)."""
     unit_names = {id(m): n or "<root>" for n, m in model.named_modules() if m in plan.unit_modules}
     lines = [f"strategy={options.strategy.value}", f"mixed_precision={options.mixed_precision!r}"]
-    lines += [f"unit {unit_names[id(m)]}" for m in plan.unit_modules]
+    lines += [f"unit {unit_names[id(m)]}{_mesh_text(plan, m)}" for m in plan.unit_modules]
     for name, p in model.named_parameters():
         tp = spec_of(p)
         where = "" if tp is None else f" tp={tp.describe()}"
@@ -77,6 +78,14 @@ def describe(model: nn.Module, plan: WrapPlan, options: ShardOptions) -> list[st
         lines.append(f"buffer {name} {tuple(b.shape)} {b.dtype}")
     lines += [f"reshard_root={options.reshard_root}", f"split_root={options.split_root}"]
     return [*lines, f"coalesce={options.coalesce!r}"]
+
+
+def _mesh_text(plan: WrapPlan, module: nn.Module) -> str:
+    """A unit's own mesh in the fingerprint (its size: ranks of different meshes differ)."""
+    mesh = plan.meshes.get(id(module))
+    if mesh is None:
+        return ""
+    return f" own_mesh_size={mesh.size()}"
 
 
 def _owned_parameters(model: nn.Module, plan: WrapPlan) -> tuple[list[list], dict]:
@@ -97,6 +106,7 @@ def _build_units(
     model: nn.Module, plan: WrapPlan, topology: Topology, stats: CommStats, options: ShardOptions
 ) -> list[Unit]:
     owned, slots = _owned_parameters(model, plan)
+    own_meshes: dict[int, Topology] = {}  # per policy mesh (see _own_topology)
     units: list[Unit] = []
     built = {id(m) for m, params in zip(plan.unit_modules, owned, strict=True) if params}
     on_meta = has_meta(model)
@@ -116,15 +126,30 @@ def _build_units(
         # backward needs it (see [Note: the lazy root]); the tail is the root as before.
         lazy = len(parts) == 2 and reshards_after_forward(options.strategy)
         lazy = lazy and root_split.worth_lazy(parts[0])
+        own = _own_topology(model, module, plan, topology, options, own_meshes)
         for i, members in enumerate(parts or [params]):
             unit = Unit(
-                len(units), module, members, slots, topology=topology, stats=stats,
+                len(units), module, members, slots, topology=own or topology, stats=stats,
                 reshard_after_forward=reshard or (lazy and i == 0),
                 mixed_precision=options.mixed_precision, offload=options.offload,
                 role=_role(is_root, i, lazy),
             )  # fmt: skip
             units.append(unit)
     return units
+
+
+def _own_topology(
+    model, module, plan: WrapPlan, topology: Topology, options, made: dict
+) -> Topology | None:
+    """The topology of a unit the policy gave its own mesh ([Note: per-unit meshes]), made
+    once per mesh (``made``)."""
+    mesh = plan.meshes.get(id(module))
+    if mesh is None:
+        return None
+    if id(mesh) not in made:
+        name = next(n for n, m in model.named_modules() if m is module)
+        made[id(mesh)] = unit_topology(mesh, topology, options, f"module {name!r}")
+    return made[id(mesh)]
 
 
 def _role(is_root: bool, part: int, lazy: bool) -> UnitRole:

@@ -46,6 +46,9 @@ class Topology:
     host_groups: tuple[dist.ProcessGroup, ...] = ()
     # CUDA only: the side streams gathers and reductions are issued from (engine/streams.py).
     streams: CommStreams | None = None
+    # A unit on its own mesh averages its gradients over the model's data-parallel world, not
+    # over its mesh (see [Note: per-unit meshes] in unit_mesh.py); None: over its mesh.
+    divide_by: int | None = None
 
     def side_stream(self, kind: str) -> torch.cuda.Stream | None:
         """The ``"gather"`` or ``"reduce"`` side stream, or None (CPU: no streams)."""

@@ -70,6 +70,12 @@ def data_parallel_world(topo: Topology) -> int:
     return topo.shard_world * replicas
 
 
+def divisor(topo: Topology) -> int:
+    """What a reduced gradient is divided by: the data-parallel world of its mesh, or of the
+    model for a unit on its own mesh ([Note: per-unit meshes] in unit_mesh.py)."""
+    return topo.divide_by if topo.divide_by is not None else data_parallel_world(topo)
+
+
 def reduces_pieces(group: FlatGroup, topo: Topology, stats: CommStats) -> bool:
     """Can ``group``'s gradient be reduced straight from its per-parameter pieces (no flat
     copy)? When the transport can (comm decides), with no pre-division (fp16) and at least
@@ -78,7 +84,7 @@ def reduces_pieces(group: FlatGroup, topo: Topology, stats: CommStats) -> bool:
     return (
         shard_group is not None
         and sends_from_pieces(shard_group, stats)
-        and sum_scaling(group.reduce_dtype, data_parallel_world(topo))[0] == 1.0
+        and sum_scaling(group.reduce_dtype, divisor(topo))[0] == 1.0
         and group.padded_numel * group.reduce_dtype.itemsize >= PIECES_MIN_BYTES
     )
 
@@ -108,7 +114,7 @@ def reduce_chunked(
     member's flat gradient, one reduce dtype) over every data-parallel rank. ``members``:
     (group, its column offset, its used mask). One ``PendingReduce`` per member, sharing the
     returned work (on which the caller may chain the release of ``chunked``)."""
-    pre, post = sum_scaling(chunked.dtype, data_parallel_world(topo))
+    pre, post = sum_scaling(chunked.dtype, divisor(topo))
     out = torch.empty(chunked.shape[1], dtype=chunked.dtype, device=chunked.device)  # rule 1
     with on_side_stream(topo.side_stream("reduce")):  # see streams.py
         flat = divided(chunked.view(-1), pre)
@@ -124,7 +130,7 @@ def reduce_chunked(
 def _replicated(group: FlatGroup, grad: Grad, used, topo: Topology, stats) -> PendingReduce:
     assert isinstance(grad, torch.Tensor)
     label = group.label
-    pre, post = sum_scaling(group.reduce_dtype, data_parallel_world(topo))
+    pre, post = sum_scaling(group.reduce_dtype, divisor(topo))
     # On the side stream only with a collective to wait for (the wait orders the compute
     # stream after it; see streams.py)
     side = topo.side_stream("reduce") if topo.replicate_group is not None else None
@@ -144,7 +150,7 @@ def _from_pieces(
     if group.chunk_spans is None:
         offsets = [(spec.offset, spec.numel) for spec in group.specs]
         group.chunk_spans = chunk_spans(offsets, group.shard_numel, group.world)
-    post = sum_scaling(group.reduce_dtype, data_parallel_world(topo))[1]
+    post = sum_scaling(group.reduce_dtype, divisor(topo))[1]
     out = torch.empty(group.shard_numel, dtype=group.reduce_dtype, device=group.device)
     work = reduce_scatter_pieces_sum(
         out, grads, group.chunk_spans, group.padded_numel, topo.shard_group, stats, label
