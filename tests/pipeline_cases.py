@@ -203,6 +203,8 @@ class Run:
         self.stall = spec.get("stall_rank") == dist.get_rank()  # the harness's own test
         self.n_stages = PP * per_rank
         pp_mesh, self.dp_mesh = meshes()
+        self.pp_mesh = pp_mesh
+        self.norm_err = 0.0  # flatshard: the whole model's gradient norm (across stages)
         self.dp_rank = self.dp_mesh.get_local_rank()
         self.ids = stage_ids(pp_mesh.get_local_rank(), per_rank, style)
         whole = build_stages(self.n_stages)
@@ -242,6 +244,10 @@ class Run:
                 dist.all_reduce(p.grad, group=self.dp_mesh.get_group())
                 p.grad.div_(DP)
         reference_loss(self.ref, x, y, self.n_mb).backward()
+        if counting:  # one norm over every stage of every pp rank (measured, not clipped)
+            norm = fs.clip_grad_norm_(self.mine, 1e9, across=self.pp_mesh).item()
+            ref_norm = torch.nn.utils.clip_grad_norm_(self.ref.parameters(), 1e9).item()
+            self.norm_err = max(self.norm_err, abs(norm - ref_norm) / ref_norm)
         for opt in (self.opt, self.ref_opt):
             opt.step()
             opt.zero_grad()
@@ -268,6 +274,7 @@ def run_spec(spec: dict) -> dict:
     per_step = [run.step(step) for step in range(STEPS)]
     out = run.compare()
     # steady state: the first step also counts the schedule's shape-inference backward
+    out["norm_err"] = run.norm_err
     return {**out, "rs_per_unit_step": per_step[-1], "rs_first_step": per_step[0]}
 
 
@@ -331,4 +338,5 @@ def merge(spec: dict, per_rank: list[dict]) -> dict:
         "rs_min": min(counts, default=None),
         "rs_first_step": max((c for r in per_rank for c in r["rs_first_step"] or ()), default=None),
         "seconds": max(r["seconds"] for r in per_rank),
+        "norm_err": max(r.get("norm_err", 0.0) for r in per_rank),
     }

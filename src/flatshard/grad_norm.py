@@ -15,6 +15,14 @@ different part on each tp rank, while a replicated one (a SequenceParallel norm)
 on all of them. Each rank sums the p-th powers of its gradients in two parts; both are summed
 over the data-parallel ranks, the tp-sharded part over the tp ranks as well: every element
 is counted once, as in the single-process norm.
+
+[Note: the norm across stages]
+A pipeline splits the model over the pp ranks: each rank's stages are sharded models of their
+own (each over its dp mesh). ``fs.clip_grad_norm_(stages, max_norm, across=pp_group)`` sums
+the p-th powers of each stage over its own ranks (as for one model), adds the stages of this
+rank, then adds up over ``across``: each parameter of the whole model is counted once (ranks
+of one pp group hold different stages), and every rank clips by the whole model's norm
+(torchtitan all-reduces the norm over pp the same way).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from .comm.collectives import all_reduce
 from .engine.state import get_state
@@ -32,49 +41,34 @@ from .params import fragment_tag, state_of_parameters
 
 @torch.no_grad()
 def clip_grad_norm_(
-    parameters: nn.Module | Iterable[torch.Tensor] | torch.Tensor,
+    parameters: nn.Module | Iterable[nn.Module] | Iterable[torch.Tensor] | torch.Tensor,
     max_norm: float,
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
+    *,
+    across: dist.ProcessGroup | DeviceMesh | None = None,
 ) -> torch.Tensor:
     """Scale every gradient so that the global ``norm_type``-norm is at most ``max_norm``.
 
     ``parameters``: the sharded model, or (as torch's) an iterable of its parameters (or one
-    of them). Equals ``torch.nn.utils.clip_grad_norm_`` on the unsharded model: each element
-    lives on exactly one rank of the shard group (padding holds no gradient), so the p-th
-    powers add up over that group and the inf-norm is its maximum; replicas (no_shard,
-    hybrid_shard) hold identical gradients and are not summed again. Returns the total norm
-    (before clipping), the same on every rank. Every rank must call it.
+    of them), or several sharded models (this rank's pipeline stages). Equals
+    ``torch.nn.utils.clip_grad_norm_`` on the unsharded model: each element lives on exactly
+    one rank of the shard group (padding holds no gradient), so the p-th powers add up over
+    that group and the inf-norm is its maximum; replicas (no_shard, hybrid_shard) hold
+    identical gradients and are not summed again. ``across``: a group (or 1-D mesh) whose
+    ranks hold *other* parts of the model (the pipeline's pp group): the per-rank totals are
+    added up over it too, so every stage clips by the norm of the whole model ([Note: the
+    norm across stages]). Returns the total norm (before clipping), the same on every rank.
+    Every rank must call it.
     """
-    params, state = _parameters_and_state(parameters)
     norm_type = float(norm_type)
     if norm_type <= 0:
         raise ValueError(f"norm_type={norm_type} must be positive (2.0, 1.0 or float('inf'))")
-    with_grad = [p for p in params if p.grad is not None and p.grad.numel()]
-    grads = [p.grad for p in with_grad]
-    device = state.device if state is not None else torch.device("cpu")
-    # [sharded over tp, the rest]: see [Note: the norm over both axes]
-    tp_sharded = [_is_tp_sharded(p) for p in with_grad]
-    # fp32 at least (bf16 gradients' norms would round), fp64 for fp64 gradients
-    dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-    local = torch.zeros(2, dtype=dtype, device=device)
-    if grads:
-        local = _local_powers(grads, tp_sharded, norm_type, foreach, dtype)
-    if state is None:  # no parameter at all (on every rank alike): nothing to clip
-        return local.sum()
-    inf = norm_type == float("inf")
-    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-    # On the compute device whatever the gradients' (CPUOffload keeps them on the host, and
-    # NCCL reduces device tensors only): every rank hands the collective the same kind.
-    local = local.to(device)
-    all_reduce(local, state.group, state.stats, op=op, name="norm_all_reduce")
-    if state.tp is not None:
-        sharded = local[:1].clone()
-        all_reduce(sharded, state.tp.group, state.stats, op=op, name="norm_all_reduce_tp")
-        local = torch.cat([sharded, local[1:]])
-    local = local.max() if inf else local.sum()
-    total = local if inf else local.pow(1.0 / norm_type)
+    parts = _parts(parameters)
+    grads = [p.grad for params, _ in parts for p in params if _has_grad(p)]
+    totals = [_model_powers(params, state, norm_type, foreach) for params, state in parts]
+    total = _combine(totals, parts, norm_type, across)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"fs.clip_grad_norm_: the total norm of order {norm_type} is {total.item()}; "
@@ -84,6 +78,55 @@ def clip_grad_norm_(
     if grads:
         torch._foreach_mul_(grads, clip_coef.to(grads[0].device, grads[0].dtype))
     return total
+
+
+def _has_grad(p: torch.Tensor) -> bool:
+    return p.grad is not None and p.grad.numel() > 0
+
+
+def _model_powers(params: list, state, norm_type: float, foreach) -> torch.Tensor:
+    """One sharded model's sum of p-th powers (max for the inf-norm) over all its ranks."""
+    with_grad = [p for p in params if _has_grad(p)]
+    grads = [p.grad for p in with_grad]
+    device = state.device if state is not None else torch.device("cpu")
+    # fp32 at least (bf16 gradients' norms would round), fp64 for fp64 gradients
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    local = torch.zeros(2, dtype=dtype, device=device)
+    if grads:  # [sharded over tp, the rest]: see [Note: the norm over both axes]
+        local = _local_powers(
+            grads, [_is_tp_sharded(p) for p in with_grad], norm_type, foreach, dtype
+        )
+    if state is None:  # no parameter at all (on every rank alike)
+        return local.max() if norm_type == float("inf") else local.sum()
+    op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
+    # On the compute device whatever the gradients' (CPUOffload keeps them on the host, and
+    # NCCL reduces device tensors only): every rank hands the collective the same kind.
+    local = local.to(device)
+    all_reduce(local, state.group, state.stats, op=op, name="norm_all_reduce")
+    if state.tp is not None:
+        sharded = local[:1].clone()
+        all_reduce(sharded, state.tp.group, state.stats, op=op, name="norm_all_reduce_tp")
+        local = torch.cat([sharded, local[1:]])
+    return local.max() if norm_type == float("inf") else local.sum()
+
+
+def _combine(totals: list, parts: list, norm_type: float, across) -> torch.Tensor:
+    """The models' totals as one norm (added up over ``across`` when given)."""
+    inf = norm_type == float("inf")
+    dtype = torch.float64 if any(t.dtype == torch.float64 for t in totals) else torch.float32
+    device = totals[0].device if totals else torch.device("cpu")
+    stacked = torch.stack([t.to(device, dtype) for t in totals]) if totals else None
+    local = torch.zeros((), dtype=dtype, device=device) if stacked is None else stacked
+    local = local.max() if inf else local.sum()
+    if across is not None:
+        group = across.get_group() if hasattr(across, "get_group") else across
+        stats = next((s.stats for _, s in parts if s is not None), None)
+        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+        if stats is None:
+            dist.all_reduce(local, op=op, group=group)
+        else:
+            all_reduce(local, group, stats, op=op, name="norm_all_reduce_across")
+    return local if inf else local.pow(1.0 / norm_type)
 
 
 def _local_powers(
@@ -108,10 +151,13 @@ def _is_tp_sharded(param: torch.Tensor) -> bool:
     return tag is not None and tag.tp is not None and tag.tp.is_sharded
 
 
-def _parameters_and_state(parameters) -> tuple[list[torch.Tensor], object]:
+def _parts(parameters) -> list[tuple[list[torch.Tensor], object]]:
+    """(parameters, their sharded state) per model the call covers."""
     if isinstance(parameters, nn.Module):
-        return list(parameters.parameters()), get_state(parameters)
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    if not params:
-        return [], None
-    return params, state_of_parameters(params, "fs.clip_grad_norm_")
+        return [(list(parameters.parameters()), get_state(parameters))]
+    items = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    if items and all(isinstance(m, nn.Module) for m in items):  # several models (stages)
+        return [(list(m.parameters()), get_state(m)) for m in items]
+    if not items:
+        return [([], None)]
+    return [(items, state_of_parameters(items, "fs.clip_grad_norm_"))]
