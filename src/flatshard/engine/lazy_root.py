@@ -30,12 +30,12 @@ to regathering the root at its pre-backward, as any unit.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch.utils._pytree import tree_map_only
 
-from .saved_views import SavedView, active_hooks
+from .saved_views import active_hooks, install_regathering
 
 if TYPE_CHECKING:
     from .unit import Unit
@@ -47,27 +47,7 @@ def enter(unit: Unit, regather: Callable[[], None]) -> bool:
     if not torch.is_grad_enabled() or active_hooks() is not None:
         unit.saved_hooks.append(None)
         return False
-    owners = {g.full.untyped_storage().data_ptr(): g for g in unit.groups if g.is_allocated}
-
-    def pack(tensor: torch.Tensor) -> Any:
-        try:
-            group = owners.get(tensor.untyped_storage().data_ptr())
-        except (RuntimeError, NotImplementedError):  # no plain storage (sparse, nested, ...)
-            group = None
-        if group is None:
-            return tensor.detach()
-        size, stride = tuple(tensor.size()), tensor.stride()
-        return SavedView(group, tensor.storage_offset(), size, stride, regather)
-
-    def unpack(saved: Any) -> torch.Tensor:
-        if not isinstance(saved, SavedView):
-            return saved
-        return saved.rebuild()
-
-    pack.flatshard_pool = None  # type: ignore[attr-defined]  # flatshard's: inner units chain
-    hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
-    hooks.__enter__()
-    unit.saved_hooks.append(hooks)
+    install_regathering(unit, regather)
     return True
 
 

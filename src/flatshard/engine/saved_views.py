@@ -122,7 +122,13 @@ def enter_regathering(unit: Unit, regather: Callable[[], None]) -> None:
     if not torch.is_grad_enabled() or active in (FOREIGN, CHECKPOINT):
         unit.saved_hooks.append(None)
         return
-    outer = active[0] if active is not None else None
+    install_regathering(unit, regather, active[0] if active is not None else None)
+
+
+def install_regathering(unit: Unit, regather: Callable[[], None], outer=None) -> None:
+    """Enter saved-tensor hooks that pack views of ``unit``'s buffers as ``SavedView``s that
+    ``regather`` it when unpacked after a release (one entry on ``unit.saved_hooks``); other
+    tensors go to ``outer`` (an enclosing unit's pack) or are kept as they are."""
     owners = {g.full.untyped_storage().data_ptr(): g for g in unit.groups if g.is_allocated}
 
     def pack(tensor: torch.Tensor) -> Any:
