@@ -30,6 +30,8 @@ CASES = {  # name -> spec (engine and optimizer added per run)
     "sp_checkpoint_non_reentrant": {"sp": True, "ac": "non_reentrant"},
     # a tied TP embedding/head in a root big enough for the lazy root (threshold lowered)
     "sp_tied_lazy_root": {"sp": True, "tied": True, "lazy_min_bytes": 0},
+    # ffn 11 over tp 2: local blocks of 6 and 5 rows, each split unevenly over dp too
+    "sp_uneven_tp": {"sp": True, "ffn": 11},
 }
 FSDP2_CONTROL = ("tp", "sp", "sp_loss_parallel")  # FSDP2 runs these (the rest are ours)
 

@@ -70,19 +70,19 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, ffn: int = FFN) -> None:
         super().__init__()
-        self.up, self.down = nn.Linear(DIM, FFN), nn.Linear(FFN, DIM)
+        self.up, self.down = nn.Linear(DIM, ffn), nn.Linear(ffn, DIM)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.gelu(self.up(x)))
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, ffn: int = FFN) -> None:
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
-        self.attn, self.mlp = Attention(), MLP()
+        self.attn, self.mlp = Attention(), MLP(ffn)
         self.checkpointed = ""  # activation checkpointing of the body: reentrant, non_reentrant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,10 +96,10 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, blocks: int = 2, tied: bool = False) -> None:
+    def __init__(self, blocks: int = 2, tied: bool = False, ffn: int = FFN) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(Block() for _ in range(blocks))
+        self.blocks = nn.ModuleList(Block(ffn) for _ in range(blocks))
         self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         if tied:
@@ -112,9 +112,9 @@ class Model(nn.Module):
         return self.head(self.norm(x))
 
 
-def build(tied: bool = False) -> Model:
+def build(tied: bool = False, ffn: int = FFN) -> Model:
     torch.manual_seed(0)
-    return Model(tied=tied)
+    return Model(tied=tied, ffn=ffn)
 
 
 def parallelize(model: Model, tp_mesh, *, sp: bool, loss_par: bool) -> None:
@@ -143,7 +143,9 @@ def parallelize(model: Model, tp_mesh, *, sp: bool, loss_par: bool) -> None:
             "attn.k": ColwiseParallel(),
             "attn.v": ColwiseParallel(),
             "attn.o": RowwiseParallel(output_layouts=seq),
-            "mlp.up": ColwiseParallel(),
+            # DTensor output: an uneven ffn split cannot be rebuilt from local shapes (the
+            # rowwise layer would assume even shards); an even one does not care
+            "mlp.up": ColwiseParallel(use_local_output=False),
             "mlp.down": RowwiseParallel(output_layouts=seq),
         }
         if sp:
@@ -263,7 +265,8 @@ def train(spec: dict) -> dict:
     """One spec on this rank: {"err": state-dict error, "norm_err": worst norm error,
     "holds": whether this rank holds the full state dict}."""
     mesh, tp_mesh, dp_mesh, dp_size, dp_index = _meshes(spec.get("hybrid", False))
-    ref = build(spec.get("tied", False)).to(DTYPES[spec.get("dtype", "float64")])
+    ref = build(spec.get("tied", False), spec.get("ffn", FFN))
+    ref = ref.to(DTYPES[spec.get("dtype", "float64")])
     model = copy.deepcopy(ref)
     parallelize(model, tp_mesh, sp=spec.get("sp", False), loss_par=spec.get("loss_par", False))
     for block in [*model.blocks, *ref.blocks]:
