@@ -261,13 +261,30 @@ def _full_state(model: nn.Module, engine: str) -> dict:
 MAX_NORM = 0.5  # below the first steps' norms: clipping is exercised, not only measured
 
 
+def _meta_copy(ref: Model) -> Model:
+    """``ref``'s architecture on the meta device (no storage): ``fs.shard`` materialises
+    each rank's TP-local blocks and initialises them (DTensor random ops)."""
+    with torch.device("meta"):
+        model = Model(
+            tied=ref.head.weight is ref.embed.weight, ffn=ref.blocks[0].mlp.up.out_features
+        )
+    return model.to(ref.embed.weight.dtype)
+
+
+def _load_everywhere(ref: nn.Module, state: dict) -> None:
+    """Rank 0's full state dict into ``ref`` on every rank."""
+    box = [state if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)  # world: the test's reference lives on every rank
+    ref.load_state_dict(box[0])
+
+
 def train(spec: dict) -> dict:
     """One spec on this rank: {"err": state-dict error, "norm_err": worst norm error,
     "holds": whether this rank holds the full state dict}."""
     mesh, tp_mesh, dp_mesh, dp_size, dp_index = _meshes(spec.get("hybrid", False))
     ref = build(spec.get("tied", False), spec.get("ffn", FFN))
     ref = ref.to(DTYPES[spec.get("dtype", "float64")])
-    model = copy.deepcopy(ref)
+    model = _meta_copy(ref) if spec.get("meta") else copy.deepcopy(ref)
     parallelize(model, tp_mesh, sp=spec.get("sp", False), loss_par=spec.get("loss_par", False))
     for block in [*model.blocks, *ref.blocks]:
         block.checkpointed = spec.get("ac", "")
@@ -275,6 +292,8 @@ def train(spec: dict) -> dict:
         for block in model.blocks:
             block.compile(backend="aot_eager", fullgraph=True)
     _shard(model, spec, mesh, dp_mesh)
+    if spec.get("meta"):  # the reference starts where the materialised model does
+        _load_everywhere(ref, fs.full_state_dict(model))
     opt, ref_opt = (
         OPTIMIZERS[spec["optim"]](model.parameters()),
         OPTIMIZERS[spec["optim"]](ref.parameters()),

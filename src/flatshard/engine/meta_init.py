@@ -20,6 +20,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from .tensor_parallel import is_dtensor, local_of
+
 InitFn = Callable[[nn.Module], None]
 
 
@@ -99,7 +101,7 @@ def materialize_unit(
         if p.device.type != "meta":
             real.append(p)
             continue
-        q = nn.Parameter(torch.full(p.shape, float("nan"), dtype=p.dtype, device=device))
+        q = nn.Parameter(_nan_like(p, device))
         q.requires_grad_(p.requires_grad)
         slots[id(q)] = slots[id(p)]
         for module, name in slots[id(q)]:
@@ -113,6 +115,19 @@ def materialize_unit(
             default_init(unit_module, other_units)
     _check_initialised(real, slots, unit_module)
     return real
+
+
+def _nan_like(p: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Real storage for the meta parameter ``p``, NaN-filled: a tensor-parallel (DTensor) one
+    gets its TP-local block only, as a DTensor again (its init then runs as DTensor ops)."""
+    if not is_dtensor(p):
+        return torch.full(p.shape, float("nan"), dtype=p.dtype, device=device)
+    from torch.distributed.tensor import DTensor
+
+    local = torch.full(p.to_local().shape, float("nan"), dtype=p.dtype, device=device)
+    return DTensor.from_local(
+        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
 
 
 def _materialize_buffers(unit_module: nn.Module, other_units: set[int], device) -> None:
@@ -148,7 +163,7 @@ def _foreign_params_on_meta(unit_module: nn.Module, own: set[int]) -> Iterator[N
 
 def _check_initialised(real: list[nn.Parameter], slots: dict, unit_module: nn.Module) -> None:
     for q in real:
-        if q.is_floating_point() and torch.isnan(q).any():
+        if q.is_floating_point() and torch.isnan(local_of(q)).any():
             module, name = slots[id(q)][0]
             raise ValueError(
                 f"parameter {name!r} of {type(module).__name__} was not initialised when "
