@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 TINY = ["--dim", "32", "--layers", "1", "--heads", "2", "--vocab", "64"]
-TORCHRUN4 = [*TORCHRUN[:-1], "4"]  # dp 2 x tp 2
+TORCHRUN4 = [*TORCHRUN[:-1], "4"]  # world 4: dp 2 x tp 2, pp 2 x dp 2
 
 SCRIPTS = {
     "bench_step.py": (TORCHRUN, [*TINY, "--steps", "3", "--batch", "1", "--seq", "16"]),
@@ -37,6 +37,10 @@ SCRIPTS = {
     "bench_pretrained_load.py": ([sys.executable], [*TINY, "--worlds", "1", "--dir", "{tmp}/w"]),
     "parity_report.py": ([sys.executable], ["--cases", "gpt_tied", "--worlds", "2"]),
     "bench_muon.py": (TORCHRUN, [*TINY, "--rounds", "1", "--seq", "8"]),
+    "bench_pp.py": (
+        TORCHRUN4,
+        [*TINY, "--layers", "2", "--rounds", "3", "--seq", "8", "--microbatches", "2"],
+    ),
     "bench_tp.py": (
         TORCHRUN4,
         [*TINY, "--rounds", "3", "--seq", "8", "--batch", "1", "--precisions", "fp32"],
@@ -71,7 +75,14 @@ def test_every_bench_script_is_covered():
     assert scripts - own_tests - helpers == set(SCRIPTS)
 
 
-@pytest.mark.parametrize("script", sorted(SCRIPTS))
+# world-4 launches (about 20-30 s each on 2 cores): run by .ci/run's slow pass
+SLOW = {"bench_pp.py", "bench_tp.py"}
+
+
+@pytest.mark.parametrize(
+    "script",
+    [pytest.param(s, marks=pytest.mark.slow) if s in SLOW else s for s in sorted(SCRIPTS)],
+)
 def test_bench_script_runs_at_tiny_size(script, tmp_path):
     launcher, args = SCRIPTS[script]
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]

@@ -73,6 +73,7 @@ def runs(tmp_path_factory) -> dict:
     }
 
 
+@pytest.mark.slow  # three launches (tp 2, its resume, tp 1): .ci/run's slow pass
 def test_tp2_learns_and_equals_tp1_on_the_same_global_batch(runs):
     assert "4 rank(s) (dp 2 x tp 2)" in runs["first"].stdout
     a4, b = runs["first_losses"], runs["b"]
@@ -82,6 +83,7 @@ def test_tp2_learns_and_equals_tp1_on_the_same_global_batch(runs):
         assert abs(x - y) <= TOL * abs(y), (step, x, y)
 
 
+@pytest.mark.slow
 def test_tp2_resume_continues_the_same_curve(runs):
     out = runs["resumed"].stdout
     assert "resumed from" in out and "step_000004" in out
