@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from bench_tp import _gather, _return_freed_memory, _status_kb
+from bench_tp import _gather, _return_freed_memory, _status_kb, time_rounds
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
@@ -154,18 +154,6 @@ def train_step(r: Runner, x: torch.Tensor) -> float:
     return dt
 
 
-def time_rounds(runners: list[Runner], xs: list[torch.Tensor]) -> None:
-    """One step per engine per round, order alternated; keep the slowest rank's times."""
-    for i, x in enumerate(xs):
-        k = i % len(runners)
-        for r in runners[k:] + runners[:k]:
-            r.times.append(train_step(r, x))
-    for r in runners:
-        t = torch.tensor(r.times, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        r.times = t.tolist()
-
-
 def peak_over_start(engine: str, args: argparse.Namespace, mesh: DeviceMesh) -> float:
     """MB this process's peak RSS rises over its RSS now while ``engine`` is built and steps
     ``MEMORY_STEPS`` times (freed afterwards)."""
@@ -206,7 +194,7 @@ def _ratio(a: float, b: float) -> float:
 def run(args: argparse.Namespace, mesh: DeviceMesh) -> dict:
     """Timing rounds, then memory; the figures."""
     runners = [build(e, args, mesh) for e in ENGINES]
-    time_rounds(runners, batches(args, mesh, args.rounds))
+    time_rounds(runners, batches(args, mesh, args.rounds), step=train_step)
     fl, f2 = runners
     steady = fl.comm[-1]
     out = {

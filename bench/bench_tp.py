@@ -76,12 +76,14 @@ def batches(args: argparse.Namespace, mesh: DeviceMesh, n: int) -> list[torch.Te
     return [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g) for _ in range(n)]
 
 
-def time_rounds(runners: list[Runner], xs: list[torch.Tensor]) -> None:
-    """One step per engine per round, order alternated; keep the slowest rank's times."""
+def time_rounds(runners: list, xs: list[torch.Tensor], step=None) -> None:
+    """One step per engine per round, order alternated; keep the slowest rank's times.
+    ``step(runner, x)`` -> seconds (default: this script's ``train_step``)."""
+    step = step or train_step
     for i, x in enumerate(xs):
         k = i % len(runners)
         for r in runners[k:] + runners[:k]:
-            r.times.append(train_step(r, x))
+            r.times.append(step(r, x))
     for r in runners:
         t = torch.tensor(r.times, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
