@@ -138,7 +138,8 @@ def _pre_forward(state: ShardedState, unit: Unit, module, args, kwargs):
     if state.mode is StateMode.SUMMONED:  # full parameters installed; no collective may run
         return None
     kind = recompute.classify_call(unit)
-    if kind is CallKind.FORWARD and unit.forward_depth == 0:
+    # Until the first backward ends (the step order is frozen then): not a per-step cost.
+    if kind is CallKind.FORWARD and unit.forward_depth == 0 and state.forward_order.frozen is None:
         _check_fragments_in_place(unit)
     if unit.is_tail and kind is CallKind.FORWARD:
         return _pre_forward_tail(state, unit)
@@ -165,8 +166,8 @@ def _pre_forward(state: ShardedState, unit: Unit, module, args, kwargs):
 
 def _check_fragments_in_place(unit: Unit) -> None:
     """At rest every place holds its fragment; a parameter registered over one after
-    ``fs.shard`` (typically a tensor-parallel plan applied too late) would be silently
-    overwritten by the gathered views."""
+    ``fs.shard`` (typically a tensor-parallel plan applied between ``fs.shard`` and training)
+    would be silently overwritten by the gathered views. Checked in the first step only."""
     replaced = unit.replaced_parameter()
     if replaced is not None:
         raise RuntimeError(

@@ -127,10 +127,11 @@ def _whole_mesh_group(mesh) -> dist.ProcessGroup:
 def members_group(ranks: tuple[int, ...], backend: str) -> dist.ProcessGroup:
     """A ``backend`` group over ``ranks`` that only those ranks take part in making, made
     once per (ranks, backend) and kept, so sharding many models over one mesh makes one."""
-    if len(ranks) == dist.get_world_size() and backend == str(dist.get_backend()):
-        # world: every rank, same backend: the default group is that group, and a new one
-        # made with local synchronization could meet another of the same hashed name
-        return dist.group.WORLD
+    # A set of every rank on the default backend is the default group; a new group made with
+    # local synchronization over it hung once the job had made hashed-name groups before.
+    world = len(ranks) == dist.get_world_size()  # world: do the ranks span every rank?
+    if world and backend == str(dist.get_backend()):
+        return dist.group.WORLD  # world: the ranks are every rank, so their group is the world
     key = (id(dist.group.WORLD), ranks, backend)  # world: a new init_process_group starts afresh
     if key not in _MESH_GROUPS:
         _MESH_GROUPS[key] = dist.new_group(
