@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..engine.state import StateMode, get_state
-from ..engine.unit_mesh import refuse_unit_meshes
+from ..engine.unit_mesh import placement
 from ..params import fragment_tag
 from . import jsonable
 from .planner import Item, Pickled, Sharded
@@ -66,7 +66,6 @@ class ModelLayout:
 def model_layout(model: nn.Module) -> ModelLayout:
     """Parameters, buffers and aliases of a sharded ``model``, keyed like its ``state_dict``."""
     state = get_state(model)
-    refuse_unit_meshes(state, "fs.save / fs.load")
     if state.mode is StateMode.SUMMONED:
         raise ValueError(
             "cannot checkpoint inside fs.summon_full_params (parameters are full views there); "
@@ -84,7 +83,12 @@ def model_layout(model: nn.Module) -> ModelLayout:
                 continue
             first[id(value)] = key
             start, shape = tag.flat_range[0], tag.full_shape
-            if tag.tp is None:
+            placed = placement(model, key, tag)  # an expert's place among all experts
+            if placed is not None:
+                info = ParamInfo(key, value, start, tag.full_numel, torch.Size(placed[0]), shape)
+                info.origin = placed[1]
+                layout.params[key] = info
+            elif tag.tp is None:
                 layout.params[key] = ParamInfo(key, value, start, tag.full_numel, shape, shape)
             else:
                 info = ParamInfo(key, value, start, tag.full_numel, tag.tp.shape, shape)
@@ -145,9 +149,12 @@ def optimizer_params(optimizer: torch.optim.Optimizer, layout: ModelLayout) -> l
 
 
 def optimizer_entries(
-    optimizer: torch.optim.Optimizer, layout: ModelLayout
+    optimizer: torch.optim.Optimizer, layout: ModelLayout, flat_groups: bool = False
 ) -> tuple[dict[str, Item], dict]:
-    """DCP items and the JSON description of ``optimizer``'s state, keyed by parameter name."""
+    """DCP items and the JSON description of ``optimizer``'s state, keyed by parameter name.
+    ``flat_groups``: the param groups' DCP copies under torch's flattened keys
+    (``optimizer.param_groups.<name>.<hyper>``), which do not collide between the optimizers
+    of pipeline stages ([Note: checkpoints across pipeline stages] in parts.py)."""
     names = optimizer_params(optimizer, layout)
     items: dict[str, Item] = {}
     state_desc: dict[str, dict] = {}
@@ -172,6 +179,11 @@ def optimizer_entries(
         for gi, (group, group_names) in enumerate(zip(optimizer.param_groups, names, strict=True))
     ]
     for gi, (group, group_names) in enumerate(zip(optimizer.param_groups, names, strict=True)):
+        if flat_groups:
+            for name in group_names:
+                for hyper, value in _hyper(group).items():
+                    items[f"{OPTIM_PREFIX}param_groups.{name}.{hyper}"] = Pickled(value)
+            continue
         for hyper, value in {**_hyper(group), "params": list(group_names)}.items():
             items[f"{OPTIM_PREFIX}param_groups.{gi}.{hyper}"] = Pickled(value)
     desc = {"class": type(optimizer).__name__, "param_groups": param_groups, "state": state_desc}

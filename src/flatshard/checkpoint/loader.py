@@ -10,15 +10,17 @@ the first problem found anywhere, so a damaged or foreign checkpoint raises the 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..engine.state import get_state
-from . import agree, commit, jsonable, restore
-from .layout import ModelLayout, model_layout
+from . import agree, commit, jsonable, parts, restore
+from .layout import ModelLayout, model_layout, optimizer_params
 from .reading import Opened, open_checkpoint, read_tensors, verify_files
 from .saver import session_of
 
@@ -26,16 +28,20 @@ from .saver import session_of
 def _problem(
     opened: Opened,
     layout: ModelLayout,
-    optimizer: torch.optim.Optimizer | None,
+    optimizers: list[torch.optim.Optimizer],
     strict: bool,
     share: tuple[int, int],
+    covered: set[str] | None,
 ) -> str | None:
     rank, world = share
     desc = opened.description
+    by_param = covered is not None
     try:
-        problem = restore.model_problem(desc["model"], layout, opened.metadata, strict)
-        if problem is None and optimizer is not None:
-            problem = restore.optimizer_problem(desc.get("optimizer"), optimizer, layout)
+        problem = restore.model_problem(desc["model"], layout, opened.metadata, strict, covered)
+        for optimizer in optimizers:
+            if problem is None:
+                optim_desc = desc.get("optimizer")
+                problem = restore.optimizer_problem(optim_desc, optimizer, layout, by_param)
     except (KeyError, TypeError, AttributeError) as err:
         return f"{opened.path / commit.DESCRIPTION} is malformed ({err!r})"
     if problem is not None:
@@ -46,9 +52,10 @@ def _problem(
 def load(
     path: str | os.PathLike,
     *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    model: nn.Module | Sequence[nn.Module],
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     strict: bool = True,
+    across: dist.ProcessGroup | DeviceMesh | None = None,
 ):
     """Load a checkpoint written by ``fs.save`` into ``model`` (and ``optimizer``) at this
     world size and wrap plan, whatever they were at save time; returns the saved ``extra``.
@@ -61,44 +68,83 @@ def load(
     Every rank must call it. Optimizer state is matched by parameter name; the optimizer must
     have the same param groups (same parameters each) as the saving one; its hyperparameters
     (lr, ...) are restored. ``strict=False`` ignores checkpoint entries the model lacks.
-    """
-    state = get_state(model)
-    session_of(model).wait_pending()
-    from . import (
-        foreign,  # it builds on this module
-        sliced,
-    )
 
-    if Path(path).is_file() or sliced.is_pretrained_dir(Path(path)):  # weights only
-        extra = _load_weights(Path(path), model, optimizer, strict)
-        state.reshard_all()
-        return extra
-    if foreign.is_foreign(Path(path)):  # torch FSDP2 / torchtitan / Accelerate (DCP) directories
-        extra = foreign.load_foreign(Path(path), model, optimizer)
-        state.reshard_all()
-        return extra
-    group = agree.model_group(model)
-    layout = model_layout(model)
+    Pipeline stages: ``model`` may be this rank's stage modules (``optimizer`` one per stage)
+    and ``across`` the pipeline's group or mesh, as for ``fs.save``; any flatshard checkpoint
+    of the same model loads (saved with or without a pipeline), param groups matched by
+    parameter ([Note: checkpoints across pipeline stages], parts.py).
+    """
+    models, optimizers = parts.model_parts(model, optimizer)
+    for part in models:
+        session_of(part).wait_pending()
+    in_parts = len(models) > 1 or across is not None
+    if not in_parts:
+        other = _load_other_format(Path(path), models[0], optimizers[0], strict)
+        if other is not None:
+            return other
+    elif Path(path).is_file() or _is_other_dir(Path(path)):
+        raise ValueError(
+            f"fs.load({str(path)!r}, across=...): pipeline stages load flatshard checkpoints "
+            "only; load weights or foreign checkpoints into the whole model, then fs.save it"
+        )
+    group = parts.checkpoint_group(models, across)
+    layout = parts.merged_layout(models) if in_parts else model_layout(models[0])
+    covered = parts.names_everywhere(layout, group) if in_parts else None
     share = (dist.get_rank(group), dist.get_world_size(group))
+    optimizers_given = [o for o in optimizers if o is not None]
     opened, error = None, None
     try:
         opened = open_checkpoint(path)
-        error = _problem(opened, layout, optimizer, strict, share)
+        error = _problem(opened, layout, optimizers_given, strict, share, covered)
     except ValueError as err:
         error = str(err)
     agree.raise_if(agree.first_error(error, group))
     assert opened is not None
+    extra = _read_into(opened, layout, optimizers_given, group, in_parts)
+    for part in models:
+        get_state(part).reshard_all()
+    return extra
+
+
+def _read_into(opened: Opened, layout: ModelLayout, optimizers: list, group, by_param) -> dict:
+    """Read the model's and each optimizer's tensors in one DCP load; returns ``extra``."""
     targets = restore.model_targets(layout)
-    optim_state = None
-    if optimizer is not None:
-        optim_desc = {**opened.description["optimizer"], "version": opened.version}
-        optim_targets, optim_state = restore.optimizer_targets(optim_desc, layout, opened.metadata)
+    optim_desc = {**(opened.description["optimizer"] or {}), "version": opened.version}
+    states = []
+    for optimizer in optimizers:
+        names = {n for g in optimizer_params(optimizer, layout) for n in g} if by_param else None
+        optim_targets, optim_state = restore.optimizer_targets(
+            optim_desc, layout, opened.metadata, names
+        )
         targets.update(optim_targets)
+        states.append(optim_state)
     read_tensors(opened, targets, group)
-    if optimizer is not None:
-        restore.load_optimizer(optimizer, opened.description["optimizer"], layout, optim_state)
-    state.reshard_all()
+    for optimizer, optim_state in zip(optimizers, states, strict=True):
+        desc = opened.description["optimizer"]
+        restore.load_optimizer(optimizer, desc, layout, optim_state, by_param)
     return jsonable.decode(opened.description.get("extra", {}))
+
+
+def _is_other_dir(path: Path) -> bool:
+    from . import foreign, sliced  # they build on this module
+
+    return sliced.is_pretrained_dir(path) or foreign.is_foreign(path)
+
+
+def _load_other_format(path: Path, model: nn.Module, optimizer, strict: bool) -> dict | None:
+    """Weights (a file or a save_pretrained directory) or a foreign DCP directory loaded into
+    ``model``; ``None`` if ``path`` is a flatshard checkpoint."""
+    from . import foreign, sliced  # they build on this module
+
+    state = get_state(model)
+    if path.is_file() or sliced.is_pretrained_dir(path):  # weights only
+        extra = _load_weights(path, model, optimizer, strict)
+    elif foreign.is_foreign(path):  # torch FSDP2 / torchtitan / Accelerate (DCP) directories
+        extra = foreign.load_foreign(path, model, optimizer)
+    else:
+        return None
+    state.reshard_all()
+    return extra
 
 
 def _load_weights(path: Path, model: nn.Module, optimizer, strict: bool) -> dict:

@@ -10,6 +10,8 @@ casting rules.
 
 from __future__ import annotations
 
+import json
+
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -18,13 +20,21 @@ from .layout import ModelLayout, dtype_from_name, optim_key, optimizer_params
 from .planner import Item, Sharded
 
 
-def model_problem(desc: dict, layout: ModelLayout, metadata: Metadata, strict: bool) -> str | None:
-    """Why the checkpoint's model part does not fit ``layout`` (``None`` if it does)."""
+def model_problem(
+    desc: dict,
+    layout: ModelLayout,
+    metadata: Metadata,
+    strict: bool,
+    covered: set[str] | None = None,
+) -> str | None:
+    """Why the checkpoint's model part does not fit ``layout`` (``None`` if it does).
+    ``covered``: the names every stage of a pipeline holds (an entry is unexpected only if no
+    stage holds it); ``None``: ``layout`` is the whole model."""
     saved = {**desc["params"], **desc["buffers"]}
     current = {n: list(p.shape) for n, p in layout.params.items()}
     current.update({n: list(b.shape) for n, b in layout.buffers.items()})
     missing = [n for n in current if n not in saved]
-    unexpected = [n for n in saved if n not in current]
+    unexpected = [n for n in saved if n not in (current if covered is None else covered)]
     if missing or (strict and unexpected):
         return (
             f"checkpoint does not match the model: missing {missing[:5]}, unexpected "
@@ -47,11 +57,16 @@ def model_targets(layout: ModelLayout) -> dict[str, Item]:
 
 
 def optimizer_problem(
-    desc: dict | None, optimizer: torch.optim.Optimizer, layout: ModelLayout
+    desc: dict | None, optimizer: torch.optim.Optimizer, layout: ModelLayout, by_param: bool
 ) -> str | None:
+    """Why ``optimizer`` cannot take the saved state (``None`` if it can). ``by_param``: match
+    param groups by parameter (a checkpoint of, or loaded into, pipeline stages: see
+    [Note: checkpoints across pipeline stages]), else by position."""
     if desc is None:
         return "the checkpoint has no optimizer state (saved without optimizer=)"
     names = optimizer_params(optimizer, layout)
+    if by_param or desc.get("by_param"):
+        return _group_by_param_problem(desc, names)
     saved = [g["params"] for g in desc["param_groups"]]
     if len(saved) != len(names):
         return (
@@ -65,15 +80,44 @@ def optimizer_problem(
     return None
 
 
+def saved_hyper(desc: dict) -> dict[str, str]:
+    """Each saved parameter's group hyperparameters (as JSON text, comparable)."""
+    return {
+        name: json.dumps(group["hyper"], sort_keys=True)
+        for group in desc["param_groups"]
+        for name in group["params"]
+    }
+
+
+def _group_by_param_problem(desc: dict, names: list[list[str]]) -> str | None:
+    hyper = saved_hyper(desc)
+    for gi, group in enumerate(names):
+        missing = [n for n in group if n not in hyper]
+        if missing:
+            return (
+                f"param group {gi} holds parameters the checkpoint's optimizer never held "
+                f"({missing[:5]}); build the optimizer over the parameters that were saved"
+            )
+        if len({hyper[n] for n in group}) > 1:
+            return (
+                f"param group {gi} mixes parameters saved with different hyperparameters; "
+                "group them as they were grouped when saved"
+            )
+    return None
+
+
 def optimizer_targets(
-    desc: dict, layout: ModelLayout, metadata: Metadata
+    desc: dict, layout: ModelLayout, metadata: Metadata, names: set[str] | None = None
 ) -> tuple[dict[str, Item], dict[str, dict]]:
     """DCP targets for the sharded/replicated state tensors, and per parameter the state dict
-    to rebuild (tensor entries filled after the load, values decoded now)."""
+    to rebuild (tensor entries filled after the load, values decoded now). ``names``: only
+    these parameters' state (one optimizer of several model parts)."""
     targets: dict[str, Item] = {}
     state: dict[str, dict] = {}
     version = desc.get("version", 2)  # set by optimizer_targets' caller from the description
     for name, entries in desc["state"].items():
+        if names is not None and name not in names:
+            continue  # another part's (or another stage's) parameter
         info = layout.params[name]
         state[name] = {}
         for key, entry in entries.items():
@@ -98,18 +142,30 @@ def optimizer_targets(
 
 
 def load_optimizer(
-    optimizer: torch.optim.Optimizer, desc: dict, layout: ModelLayout, state: dict[str, dict]
+    optimizer: torch.optim.Optimizer,
+    desc: dict,
+    layout: ModelLayout,
+    state: dict[str, dict],
+    by_param: bool = False,
 ) -> None:
-    """Hand the loaded state to ``optimizer.load_state_dict`` in its own (positional) format."""
+    """Hand the loaded state to ``optimizer.load_state_dict`` in its own (positional) format;
+    ``by_param``: each group's hyperparameters are those its parameters were saved with."""
     names = optimizer_params(optimizer, layout)
     by_name = {g_names_i: i for i, g_names_i in enumerate(n for g in names for n in g)}
+    if by_param or desc.get("by_param"):
+        hyper = saved_hyper(desc)  # an empty group keeps its own hyperparameters
+        saved = [jsonable.decode(json.loads(hyper[g[0]])) if g else None for g in names]
+    else:
+        saved = [jsonable.decode(g["hyper"]) for g in desc["param_groups"]]
     groups = []
-    for group, saved in zip(names, desc["param_groups"], strict=True):
-        hyper = jsonable.decode(saved["hyper"])
+    for gi, (group, hyper) in enumerate(zip(names, saved, strict=True)):
+        if hyper is None:
+            hyper = {k: v for k, v in optimizer.param_groups[gi].items() if k != "params"}
         groups.append({**hyper, "params": [by_name[n] for n in group]})
     unwrapped = {
         by_name[name]: {k: (v.local if isinstance(v, Sharded) else v) for k, v in entries.items()}
         for name, entries in state.items()
+        if name in by_name
     }
     optimizer.load_state_dict({"state": unwrapped, "param_groups": groups})
 

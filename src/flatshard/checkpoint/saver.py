@@ -17,7 +17,7 @@ import hashlib
 import json
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -26,9 +26,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..engine.state import get_state
-from . import agree, commit, jsonable
+from . import agree, commit, jsonable, parts
 from .digest_writer import DigestWriter
 from .layout import describe_model, model_items, model_layout, optimizer_entries
 from .planner import FlatSavePlanner, Item, Pickled, Sharded
@@ -61,7 +62,7 @@ class _Session:
 
     def __init__(self) -> None:
         self.pending: SaveHandle | None = None
-        self.async_group: dist.ProcessGroup | None = None
+        self.async_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}  # by ranks
 
     def __deepcopy__(self, memo: dict) -> _Session:
         return _Session()  # a copied model starts with no save in flight (and no group)
@@ -89,11 +90,12 @@ def session_of(model: nn.Module) -> _Session:
 def save(
     path: str | os.PathLike,
     *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    model: nn.Module | Sequence[nn.Module],
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     extra: dict | None = None,
     async_: bool = False,
     before_commit: Callable[[], None] | None = None,
+    across: dist.ProcessGroup | DeviceMesh | None = None,
 ) -> SaveHandle:
     """Save ``model`` (and ``optimizer``'s state, and ``extra``) to the directory ``path``.
 
@@ -105,17 +107,28 @@ def save(
     handle (or the next save/load) waits for the files. ``before_commit``: called on rank 0
     once every file is written, just before the checkpoint is committed (tests interrupt a
     save there).
+
+    Pipeline stages: ``model`` may be the list of this rank's stage modules (``optimizer``
+    then one optimizer per stage), and ``across`` the pipeline's group or 1-D mesh (``mesh
+    ["pp"]``): every rank of the pipeline writes into one checkpoint of the whole model, which
+    loads with or without a pipeline ([Note: checkpoints across pipeline stages], parts.py).
     """
-    state = get_state(model)
-    session = session_of(model)
-    session.wait_pending()
+    models, optimizers = parts.model_parts(model, optimizer)
+    state = get_state(models[0])
+    for part in models:
+        session_of(part).wait_pending()
+    session = session_of(models[0])
     path = Path(path)
-    group = agree.model_group(model)
+    group = parts.checkpoint_group(models, across)
+    in_parts = len(models) > 1 or across is not None
     try:
-        items, description, error = *_describe(model, optimizer, extra, group), None
+        items, description, error = *_describe(models, optimizers, extra, group, in_parts), None
     except (ValueError, TypeError) as err:
         items, description, error = {}, {}, err
-    _check_ranks_agree(items, description, error, group)
+    if in_parts:
+        description = parts.agree_on_parts(items, description, error, group)
+    else:
+        _check_ranks_agree(items, description, error, group)
     tmp = _make_tmp_dir(path, group)
     future: Future = Future()
     handle = SaveHandle(path, future)
@@ -123,10 +136,11 @@ def save(
         _run(future, items, description, tmp, path, group, before_commit)
         handle.wait()
         return handle
-    if session.async_group is None:
-        session.async_group = _async_group(group, state.timeout)
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if ranks not in session.async_groups:
+        session.async_groups[ranks] = _async_group(group, state.timeout)
     snapshot = {key: _to_cpu_copy(item) for key, item in items.items()}
-    args = (future, snapshot, description, tmp, path, session.async_group, before_commit)
+    args = (future, snapshot, description, tmp, path, session.async_groups[ranks], before_commit)
     threading.Thread(target=_run, args=args, name="flatshard-save", daemon=False).start()
     session.pending = handle
     return handle
@@ -163,20 +177,25 @@ def _to_cpu_copy(item: Item) -> Item:
 
 
 def _describe(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
+    models: list[nn.Module],
+    optimizers: list[torch.optim.Optimizer | None],
     extra: dict | None,
     group: dist.ProcessGroup,
+    in_parts: bool,
 ) -> tuple[dict[str, Item], dict]:
-    """This rank's DCP items and the JSON description of the checkpoint."""
-    layout = model_layout(model)
+    """This rank's DCP items and the JSON description of the checkpoint (of this rank's
+    parts only when ``in_parts``: parts.agree_on_parts merges the ranks' descriptions)."""
+    layout = parts.merged_layout(models) if in_parts else model_layout(models[0])
     items = model_items(layout)
     description = {"format": commit.FORMAT, "version": commit.VERSION}
     description["model"] = describe_model(layout)
     description["optimizer"] = None
-    if optimizer is not None:
-        optim_items, description["optimizer"] = optimizer_entries(optimizer, layout)
+    for optimizer in optimizers:
+        if optimizer is None:
+            continue
+        optim_items, desc = optimizer_entries(optimizer, layout, flat_groups=in_parts)
         items.update(optim_items)
+        description["optimizer"] = parts.add_optimizer(description["optimizer"], desc)
     description["world_size"] = dist.get_world_size(group)  # the ranks of the model's mesh
     description["extra"] = jsonable.encode(extra if extra is not None else {})
     return items, description

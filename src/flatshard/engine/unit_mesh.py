@@ -17,9 +17,16 @@ while the dense layers are sharded over all of dp.
   the model's data-parallel world (``ValueError`` otherwise, at ``fs.shard``).
 * **Everything else** runs per unit as usual (gathers, reductions, prefetch); such units never
   join a bucket (their collectives run on another group). The used-parameter agreement still
-  runs over the model's ranks (stacked experts are always "used"). Full state dicts,
-  checkpoints and exports hold rank-local experts under global names, so they refuse a model
-  with per-unit meshes (``refuse_unit_meshes``) until expert placement is described.
+  runs over the model's ranks (stacked experts are always "used").
+* **Where a rank-local tensor sits.** A unit on its own mesh holds rank-local tensors under the
+  whole model's names (ep rank ``j``'s experts ``j*E_l ..``). Checkpoints need their place in
+  the global tensor: the module owning such parameters says it with a method
+  ``flatshard_placement(self) -> {name: (dim, offset, size)}`` (this rank's tensor is the
+  slice ``[offset, offset + local size)`` along ``dim`` of a global tensor whose ``dim`` has
+  ``size`` elements; ``flatshard.models.moe.Experts`` has one). ``fs.save``/``fs.load`` then
+  write and read the global tensors' chunks (an origin, as tensor-parallel blocks have), so an
+  expert-parallel checkpoint loads at another EP degree or without EP. Full state dicts and
+  exports still refuse such models (``refuse_unit_meshes``).
 """
 
 from __future__ import annotations
@@ -63,3 +70,32 @@ def refuse_unit_meshes(state, what: str) -> None:
             "a DeviceMesh, e.g. experts) yet: their parameters differ between expert-parallel "
             "ranks; read them inside fs.summon_full_params on each rank instead"
         )
+
+
+def placement(model, name: str, tag) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(global shape, origin) of parameter ``name`` of ``model`` if its unit has its own mesh
+    (see the Note), else ``None``; ``NotImplementedError`` if its module does not say."""
+    state = tag.state()
+    if state.units[tag.unit].topology.divide_by is None:
+        return None
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    said = getattr(owner, "flatshard_placement", None)
+    spec = said().get(attr) if callable(said) else None
+    if spec is None:
+        raise NotImplementedError(
+            f"{name!r} belongs to a unit sharded over its own mesh, and its module "
+            f"{type(owner).__name__} does not say where this rank's tensor sits in the global "
+            "one: give it a method flatshard_placement() -> {name: (dim, offset, size)} "
+            "(see flatshard.models.moe.Experts) to checkpoint it"
+        )
+    dim, offset, size = spec
+    local = tuple(tag.full_shape)
+    if not 0 <= offset <= offset + local[dim] <= size:
+        raise ValueError(
+            f"{type(owner).__name__}.flatshard_placement() puts {name!r} (size {local[dim]} "
+            f"along dim {dim}) at offset {offset} of {size}; it must fit inside"
+        )
+    shape = (*local[:dim], size, *local[dim + 1 :])
+    origin = tuple(offset if d == dim else 0 for d in range(len(local)))
+    return shape, origin

@@ -186,6 +186,13 @@ class Experts(nn.Module):
         swiglu = mlp == "swiglu"
         self.w3 = nn.Parameter(torch.empty(n_local, d_model, hidden)) if swiglu else None
 
+    def flatshard_placement(self) -> dict[str, tuple[int, int, int]]:
+        """Where this rank's experts sit among all ``n_total``: slice ``[first, first +
+        n_local)`` of dim 0 of every stacked weight (flatshard's checkpoints read it; see
+        [Note: per-unit meshes] in flatshard/engine/unit_mesh.py)."""
+        names = ("w1", "w2", "w3")
+        return {n: (0, self.first, self.n_total) for n in names if getattr(self, n) is not None}
+
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """``rows [M, C]`` grouped by local expert (``counts[e]`` rows for expert ``e``) ->
         ``[M, C]``. A grouped loop: each expert multiplies only the rows it received (none
