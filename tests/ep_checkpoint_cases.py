@@ -115,6 +115,25 @@ def run_routes() -> dict:
     back, back_opt, back_slices = build(2, seed=2)
     fs.load(f"{root}/ep4", model=back, optimizer=back_opt)
     out["ep4_to_ep2_loaded"] = error(back, back_slices, after)
+    out.update(full_state_dicts(source, ref))
+    return out
+
+
+def full_state_dicts(source: torch.nn.Module, ref: torch.nn.Module) -> dict:
+    """``fs.full_state_dict`` of the ep 2 model (global expert stacks, on rank 0) against the
+    reference, and ``fs.load_full_state_dict`` of the reference's into a fresh ep 4 model."""
+    out = {}
+    full = fs.full_state_dict(source)
+    if dist.get_rank() == 0:
+        ref_sd = ref.state_dict()
+        keys_ok = list(full) == list(ref_sd)
+        out["full_state_dict"] = max(rel_err(full[k], v) for k, v in ref_sd.items())
+        out["full_state_dict"] = out["full_state_dict"] if keys_ok else float("inf")
+    else:
+        out["full_state_dict"] = 0.0 if full == {} else float("inf")
+    target, _, target_slices = build(4, seed=3)
+    fs.load_full_state_dict(target, ref.state_dict() if dist.get_rank() == 0 else {})
+    out["load_full_state_dict_ep4"] = error(target, target_slices, ref)
     return out
 
 

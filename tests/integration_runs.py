@@ -34,6 +34,23 @@ def run_world2(launcher: list[str], script: str, out: Path, timeout: int = 300) 
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
+def run_lightning_ranks(script: str, out: Path, devices: int, *args: object) -> list[dict]:
+    """``python script OUT DEVICES ARGS...`` from ``out`` as rank 0; Lightning's launcher
+    starts the other ranks by running it again. Every rank's ``OUT/rank<r>.json``."""
+    env = {k: v for k, v in os.environ.items() if k not in (*LAUNCH_ENV, "NODE_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, script, str(out), str(devices), *map(str, args)]
+    proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(devices)]
+
+
+def write_rank_result(out: Path, result: dict) -> None:
+    """This rank's ``result`` as ``OUT/rank<LOCAL_RANK>.json`` (run_lightning_ranks reads it)."""
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+
+
 def torchrun() -> list[str]:
     port = str(free_port())
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",

@@ -1,4 +1,4 @@
-"""Expert-parallel checkpoints at another EP degree (issue 28 goal 3): a MoE model with its
+"""Expert-parallel checkpoints and full state dicts at another EP degree (issue 28 goal 3): a MoE model with its
 experts on their own mesh saves with ``fs.save`` (each expert a chunk of the global stacked
 tensor, placed by ``Experts.flatshard_placement``) and loads at ep 4, ep 1 (no expert
 parallelism) and ep 2, and back, against a one-process model (tests/ep_checkpoint_cases.py)."""
@@ -20,6 +20,8 @@ ROUTES = [
     "ep2_to_ep2_loaded",
     "ep2_to_ep2_next_step",
     "ep4_to_ep2_loaded",
+    "full_state_dict",  # global expert stacks on rank 0, {} elsewhere
+    "load_full_state_dict_ep4",
 ]
 
 

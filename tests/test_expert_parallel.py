@@ -32,4 +32,4 @@ def test_bad_unit_meshes_are_refused_clearly(results):
     for per_rank in results:
         errors = per_rank["errors"]
         assert "not all ranks of the model's mesh" in errors["foreign_ranks"], errors
-        assert "units sharded over their own mesh" in errors["full_state_dict"], errors
+        assert "give it a method flatshard_placement()" in errors["full_state_dict"], errors

@@ -12,8 +12,6 @@ both axes. A tp run's rank ``r`` is dp rank ``r // 2`` and must match the world-
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -22,18 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-TOL = 1e-5  # fp32: the house bar for parity
-VOCAB, DIM, FFN, SEQ, STEPS = 32, 16, 32, 8, 6
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.up, self.down = nn.Linear(DIM, FFN), nn.Linear(FFN, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(self.norm(x))))
+from test_integration_lightning_tp import DIM, SEQ, STEPS, TOL, VOCAB, Block, parallelize_mlps
 
 
 class Model(nn.Module):
@@ -49,20 +36,6 @@ class Model(nn.Module):
         for block in self.blocks:
             h = block(h)
         return self.head(h)
-
-
-def parallelize_mlps(module: nn.Module, mesh) -> nn.Module:
-    """The user's plan: each block's MLP colwise then rowwise on the tp axis."""
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
-    for block in module.blocks:
-        parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
-    module.dtensor_params = sum(type(p).__name__ == "DTensor" for p in module.parameters())
-    return module
 
 
 def fit(out: Path, devices: int, tp: int) -> dict:
@@ -98,35 +71,28 @@ def fit(out: Path, devices: int, tp: int) -> dict:
     return {"losses": losses, "norms": norms, "dtensor_params": dtensors}
 
 
-def _launch(out: Path, devices: int, tp: int) -> list[dict]:
-    import subprocess
-
-    keep = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")
-    env = {k: v for k, v in os.environ.items() if k not in keep}
-    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, __file__, str(out), str(devices), str(tp)]
-    proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(devices)]
-
-
 if __name__ == "__main__":  # one rank of a launch: python this_file.py OUT DEVICES TP
-    where, n, tp_size = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    result = fit(where, n, tp_size)
-    rank = int(os.environ.get("LOCAL_RANK", 0))
-    (where / f"rank{rank}.json").write_text(json.dumps(result))
+    from integration_runs import write_rank_result
+
+    where = Path(sys.argv[1])
+    write_rank_result(where, fit(where, int(sys.argv[2]), int(sys.argv[3])))
     sys.exit(0)
 
 import pytest  # noqa: E402  (the pytest side: the script above runs without it)
 
 pytest.importorskip("lightning", reason="the [lightning] extra is not installed")
 
+from integration_runs import run_lightning_ranks  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, list[dict]]:
     root = tmp_path_factory.mktemp("fabric_tp")
     (root / "tp2").mkdir(), (root / "tp1").mkdir()
-    return {"tp2": _launch(root / "tp2", 4, 2), "tp1": _launch(root / "tp1", 2, 1)}
+    return {
+        "tp2": run_lightning_ranks(__file__, root / "tp2", 4, 2),
+        "tp1": run_lightning_ranks(__file__, root / "tp1", 2, 1),
+    }
 
 
 @pytest.mark.slow  # two launches of 4 and 2 Lightning processes: ~1-2.5 min on 2 cores

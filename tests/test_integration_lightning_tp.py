@@ -10,8 +10,6 @@ the same global batches. Each rank writes its per-step losses; a tp run's rank `
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -112,35 +110,28 @@ def fit(out: Path, devices: int, tp: int) -> dict:
     }
 
 
-def _launch(out: Path, devices: int, tp: int) -> list[dict]:
-    import subprocess
-
-    keep = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")
-    env = {k: v for k, v in os.environ.items() if k not in keep}
-    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, __file__, str(out), str(devices), str(tp)]
-    proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(devices)]
-
-
 if __name__ == "__main__":  # one rank of a launch: python this_file.py OUT DEVICES TP
-    where, n, tp_size = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    result = fit(where, n, tp_size)
-    rank = int(os.environ.get("LOCAL_RANK", 0))
-    (where / f"rank{rank}.json").write_text(json.dumps(result))
+    from integration_runs import write_rank_result
+
+    where = Path(sys.argv[1])
+    write_rank_result(where, fit(where, int(sys.argv[2]), int(sys.argv[3])))
     sys.exit(0)
 
 import pytest  # noqa: E402  (the pytest side: the script above runs without it)
 
 pytest.importorskip("lightning", reason="the [lightning] extra is not installed")
 
+from integration_runs import run_lightning_ranks  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, list[dict]]:
     root = tmp_path_factory.mktemp("lightning_tp")
     (root / "tp2").mkdir(), (root / "tp1").mkdir()
-    return {"tp2": _launch(root / "tp2", 4, 2), "tp1": _launch(root / "tp1", 2, 1)}
+    return {
+        "tp2": run_lightning_ranks(__file__, root / "tp2", 4, 2),
+        "tp1": run_lightning_ranks(__file__, root / "tp1", 2, 1),
+    }
 
 
 def test_tp2_trains_and_equals_tp1_on_the_same_global_batches(runs):

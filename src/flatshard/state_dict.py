@@ -22,8 +22,8 @@ from .engine.masters import master_views
 from .engine.state import ShardedState, StateMode, get_state
 from .engine.tensor_parallel import full_tensor, is_dtensor, local_part
 from .engine.unit import Unit
-from .engine.unit_mesh import refuse_unit_meshes
 from .params import fragment_tag, full_shape, is_fragment
+from .placed_state import gather_placed, has_own_mesh, load_placed_group, placed_shapes
 
 
 @torch.no_grad()
@@ -32,9 +32,9 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     ``state_dict()`` (tied names included). Other ranks: ``{}``. Every rank of the model's
     mesh must call it (it gathers)."""
     state = get_state(model)
-    refuse_unit_meshes(state, "fs.full_state_dict")
     is_rank0 = state.topology.is_mesh_first
     refs = model.state_dict(keep_vars=True)
+    placed_shapes(model, refs)  # every rank: an expert without a placement raises, no hang
     keys_of_unit: dict[int, list[tuple[str, int, int]]] = {}
     for key, value in refs.items():
         if (tag := fragment_tag(value)) is not None:  # where each fragment lives: its tag
@@ -42,7 +42,10 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for unit in state.units:  # the fp32 masters under mixed precision, see engine/masters.py
         with master_views(state, unit) as views:
-            if is_rank0:  # with TP, the tp peers of the mesh's first rank gather together
+            if has_own_mesh(unit):  # experts: this rank's block of each global tensor
+                keys = keys_of_unit.get(unit.index, [])
+                out.update(gather_placed(model, state, unit, views, keys))
+            elif is_rank0:  # with TP, the tp peers of the mesh's first rank gather together
                 for key, gi, pi in keys_of_unit.get(unit.index, []):
                     whole = full_tensor(views[gi][pi], unit.groups[gi].tp[pi])
                     out[key] = whole.to("cpu", copy=True)
@@ -65,11 +68,11 @@ def load_full_state_dict(model: nn.Module, sd: dict, *, strict: bool = True) -> 
     nothing hangs).
     """
     state = get_state(model)
-    refuse_unit_meshes(state, "fs.load_full_state_dict")
     state.reshard_all()
     is_source = state.topology.is_mesh_first and (state.tp is None or state.tp.is_tp_first)
     refs = model.state_dict(keep_vars=True)
     shapes = {k: full_shape(v) for k, v in refs.items() if torch.is_tensor(v)}
+    shapes.update(placed_shapes(model, refs))  # experts: the global tensor's shape
     _agree_or_raise(_check_full_sd(sd, shapes, strict) if is_source else None, state)
     first_key: dict[int, str] = {}  # tied parameters: the first of their names is the source
     for key, value in refs.items():
@@ -77,7 +80,10 @@ def load_full_state_dict(model: nn.Module, sd: dict, *, strict: bool = True) -> 
             first_key.setdefault(id(value), key)
     for unit in state.units:
         for group in unit.groups:
-            _load_group(group, sd, first_key, is_source, state)
+            if has_own_mesh(unit):
+                load_placed_group(model, group, sd, first_key, state)
+            else:
+                _load_group(group, sd, first_key, is_source, state)
     for key, value in refs.items():
         if torch.is_tensor(value) and not is_fragment(value):
             source = sd[key].to(value.device, value.dtype) if is_source else value.detach()
