@@ -83,6 +83,24 @@ def error(model: torch.nn.Module, slices: dict, ref: torch.nn.Module) -> float:
     return worst
 
 
+def fragment_info_problems(model: torch.nn.Module, ref: torch.nn.Module) -> list[str]:
+    """Experts: ``fs.fragment_info``'s global shape is the whole stack, the origin this ep
+    rank's first expert."""
+    shapes = {n: p.shape for n, p in ref.named_parameters()}
+    experts = {
+        f"{n}.{w}": m.first
+        for n, m in model.named_modules()
+        if isinstance(m, Experts)
+        for w in ("w1", "w2", "w3")
+    }
+    problems = []
+    for name, info in fs.fragment_info(model).items():
+        origin = (experts[name], 0, 0) if name in experts else (0,) * len(info.full_shape)
+        if info.global_shape != shapes[name] or info.origin != origin:
+            problems.append(f"{name}: {info.global_shape} at {info.origin}")
+    return problems
+
+
 def shared_dir() -> str:
     box = [tempfile.mkdtemp(prefix="fs-ep-ckpt-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
@@ -100,6 +118,7 @@ def run_routes() -> dict:
         step(source, opt, at)
         step_reference(ref, ref_opt, at)
     out["ep2_trained"] = error(source, slices, ref)  # the premise: ep 2 trains exactly
+    out["fragment_info"] = fragment_info_problems(source, ref)
     fs.save(f"{root}/ep2", model=source, optimizer=opt)
     after = MoEGPT(CONFIG4).double()  # the reference's next step (deepcopy: router caches)
     after.load_state_dict(ref.state_dict())

@@ -1,7 +1,8 @@
-"""Expert-parallel checkpoints and full state dicts at another EP degree (issue 28 goal 3): a MoE model with its
-experts on their own mesh saves with ``fs.save`` (each expert a chunk of the global stacked
-tensor, placed by ``Experts.flatshard_placement``) and loads at ep 4, ep 1 (no expert
-parallelism) and ep 2, and back, against a one-process model (tests/ep_checkpoint_cases.py)."""
+"""Expert-parallel checkpoints and full state dicts at another EP degree (issue 28 goal 3):
+a MoE model with its experts on their own mesh saves with ``fs.save`` (each expert a chunk of
+the global stacked tensor, placed by ``Experts.flatshard_placement``) and loads at ep 4, ep 1
+(no expert parallelism) and ep 2, and back, against a one-process model
+(tests/ep_checkpoint_cases.py); its full state dict holds the global expert stacks."""
 
 from __future__ import annotations
 
@@ -34,3 +35,8 @@ def routes(dist_pools) -> list[dict]:
 def test_an_expert_parallel_checkpoint_loads_at_another_degree(routes, route):
     for rank, out in enumerate(routes):
         assert out[route] <= TOLERANCE, f"rank {rank} {route}: off by {out[route]}"
+
+
+def test_fragment_info_places_each_rank_experts(routes):
+    for rank, out in enumerate(routes):
+        assert out["fragment_info"] == [], (rank, out["fragment_info"])

@@ -28,3 +28,10 @@ def test_checkpoint_route_is_exact(results, route):
     for rank, per_rank in enumerate(results):
         loaded, next_step = per_rank[route]
         assert loaded <= TOLERANCE and next_step <= TOLERANCE, (rank, route, per_rank[route])
+
+
+def test_fragment_info_reports_global_shapes_and_origins(results):
+    for rank, per_rank in enumerate(results):
+        info = per_rank["fragment_info"]
+        assert info["problems"] == [], (rank, info["problems"])
+        assert info["shifted"] == (rank % 2 == 1), rank  # tp rank 1's blocks sit further on

@@ -166,8 +166,28 @@ def fsdp2_saves_flatshard_loads(root: str) -> tuple[float, float]:
     return _err(loaded, saved), _err(fs.full_state_dict(model), after)
 
 
+def fragment_info_of_tp() -> dict:
+    """``fs.fragment_info`` of a dp 2 x tp 2 model: each parameter's global shape (the plain
+    model's) and its TP block's origin, which must fit inside."""
+    model, *_ = _flatshard(tp=True)
+    plain = dict(_model(False).named_parameters())
+    problems, shifted = [], False
+    for name, info in fs.fragment_info(model).items():
+        if (
+            info.global_shape != plain[name].shape
+            or fs.full_shape(info.fragment) != plain[name].shape
+        ):
+            problems.append(f"{name}: global {info.global_shape}, plain {plain[name].shape}")
+        ends = zip(info.origin, info.full_shape, info.global_shape, strict=True)
+        if any(o + size > whole for o, size, whole in ends):
+            problems.append(f"{name}: block {info.full_shape} at {info.origin} overflows")
+        shifted = shifted or any(info.origin)
+    return {"problems": problems, "shifted": shifted}
+
+
 def run_all(root: str) -> dict:
     expected = saved_flatshard(root)
     out = load_cases(root, copy.deepcopy(expected))
     out["fsdp2_to_flatshard_tp"] = fsdp2_saves_flatshard_loads(root)
+    out["fragment_info"] = fragment_info_of_tp()
     return out

@@ -56,6 +56,14 @@ class FragmentInfo:
     """Index of the unit that gathers it."""
     fragment: nn.Parameter
     """This rank's 1-D fragment (what the optimizer steps on)."""
+    global_shape: torch.Size | None = None
+    """The parameter's shape over every rank that holds a part of it: ``full_shape`` unless
+    it is tensor-parallel (its global DTensor shape) or on a unit with its own mesh (all the
+    experts, from its module's ``flatshard_placement``); ``None`` when such a module does not
+    say (see [Note: per-unit meshes])."""
+    origin: tuple[int, ...] | None = None
+    """Where the ``full_shape`` block sits in the ``global_shape`` tensor (zeros when they are
+    the same)."""
 
     @property
     def full_ndim(self) -> int:
@@ -105,8 +113,24 @@ def fragment_info(model: nn.Module) -> dict[str, FragmentInfo]:
                 f"parameter {name!r} of {type(model).__name__} is not a flatshard fragment "
                 "(was it added after fs.shard?); register parameters before sharding"
             )
-        out[name] = FragmentInfo(name, tag.full_shape, tag.flat_range, tag.unit, p)
+        shape, origin = _global_place(model, name, tag)
+        out[name] = FragmentInfo(name, tag.full_shape, tag.flat_range, tag.unit, p, shape, origin)
     return out
+
+
+def _global_place(model: nn.Module, name: str, tag: FragmentTag) -> tuple:
+    """(global shape, origin of the local block) of a fragment (see ``FragmentInfo``)."""
+    from .engine.unit_mesh import placement
+
+    if tag.tp is not None:
+        return torch.Size(tag.tp.shape), tuple(tag.tp.origin)
+    try:
+        placed = placement(model, name, tag)
+    except NotImplementedError:  # an expert whose module does not say where it sits
+        return None, None
+    if placed is not None:
+        return torch.Size(placed[0]), placed[1]
+    return tag.full_shape, (0,) * len(tag.full_shape)
 
 
 def state_of_parameters(params: list[torch.Tensor], where: str) -> ShardedState:
