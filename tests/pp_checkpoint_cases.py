@@ -82,16 +82,33 @@ def adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
-class Pipeline:
-    """This rank's stages of a pp 2 x dp 2 pipeline, one AdamW per stage."""
+def tensor_parallel(model: Whole, tp_mesh) -> Whole:
+    """Each block's ``a`` colwise and ``b`` rowwise over ``tp_mesh`` (plain tensors between
+    blocks and stages), or ``model`` unchanged without a mesh."""
+    if tp_mesh is not None:
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
 
-    def __init__(self, schedule: str, seed: int) -> None:
+        for block in model.blocks.values():
+            parallelize_module(block, tp_mesh, {"a": ColwiseParallel(), "b": RowwiseParallel()})
+    return model
+
+
+class Pipeline:
+    """This rank's stages of a pp 2 x dp 2 pipeline (x tp 2 with ``mesh``: a ("pp", "dp",
+    "tp") mesh), one AdamW per stage."""
+
+    def __init__(self, schedule: str, seed: int, mesh=None) -> None:
         cls, per_rank, style = SCHEDULES[schedule]
-        self.pp, self.dp = meshes()
+        self.pp, self.dp = meshes() if mesh is None else (mesh["pp"], mesh["dp"])
         self.n_stages = 2 * per_rank
         self.ids = stage_ids(self.pp.get_local_rank(), per_rank, style)
         whole = whole_model(seed)
-        self.stages = [cut(whole, i, self.n_stages) for i in self.ids]
+        tp = None if mesh is None else mesh["tp"]
+        self.stages = [tensor_parallel(cut(whole, i, self.n_stages), tp) for i in self.ids]
         for stage in self.stages:
             fs.shard(stage, policy=fs.wrap.by_type(Block), mesh=self.dp, timeout_s=TIMEOUT_S)
         pipe = [
@@ -124,16 +141,20 @@ class Pipeline:
 
 
 class DataParallel:
-    """The whole model sharded over all 4 ranks, one AdamW with one param group."""
+    """The whole model sharded over all 4 ranks (or, with ``mesh``, a ("dp", "tp") mesh: dp
+    4 x tp 2), one AdamW with one param group."""
 
-    def __init__(self, seed: int) -> None:
-        self.model = whole_model(seed)
-        fs.shard(self.model, policy=fs.wrap.by_type(Block), timeout_s=TIMEOUT_S)
+    def __init__(self, seed: int, mesh=None) -> None:
+        self.model = tensor_parallel(whole_model(seed), None if mesh is None else mesh["tp"])
+        dp = None if mesh is None else mesh["dp"]
+        fs.shard(self.model, policy=fs.wrap.by_type(Block), mesh=dp, timeout_s=TIMEOUT_S)
         self.opt = adamw(self.model.parameters())
+        self.rank = dist.get_rank() if dp is None else dp.get_local_rank()
+        self.world = dist.get_world_size() if dp is None else dp.size()
 
     def step(self, step: int) -> None:
         x, y = global_batch(step, N_MB)  # DP * N_MB microbatches of one row: 2 per rank here
-        rank, world = dist.get_rank(), dist.get_world_size()
+        rank, world = self.rank, self.world
         share = DP * N_MB // world
         reference_loss(
             self.model, x.chunk(world)[rank], y.chunk(world)[rank], share // DP
@@ -170,22 +191,25 @@ def shared_dir() -> str:
     return box[0]
 
 
-def run_route(schedule: str) -> dict:
-    """pp -> dp 4 -> pp, with a step after each load; every error this rank sees."""
+def run_route(schedule: str, meshes3d: tuple | None = None) -> dict:
+    """pp -> dp 4 -> pp, with a step after each load; every error this rank sees. With
+    ``meshes3d`` (the ("pp", "dp", "tp") and ("dp", "tp") meshes of world 8), every side is
+    tensor-parallel too: pp 2 x dp 2 x tp 2 -> dp 4 x tp 2 -> pp 2 x dp 2 x tp 2."""
     root, out = shared_dir(), {}
-    pipe = Pipeline(schedule, seed=0)
+    mesh3d, mesh2d = meshes3d or (None, None)
+    pipe = Pipeline(schedule, seed=0, mesh=mesh3d)
     for step in range(2):
         pipe.step(step)
     saved = pipe.full_state()
     fs.save(f"{root}/pp", model=pipe.stages, optimizer=pipe.opts, across=pipe.pp)
-    dp4 = DataParallel(seed=1)
+    dp4 = DataParallel(seed=1, mesh=mesh2d)
     fs.load(f"{root}/pp", model=dp4.model, optimizer=dp4.opt)
     out["pp_to_dp4_loaded"] = max_err(dp4.full_state(), saved)
     pipe.step(2)
     dp4.step(2)
     out["pp_to_dp4_next_step"] = max_err(dp4.full_state(), pipe.full_state())
     fs.save(f"{root}/dp4", model=dp4.model, optimizer=dp4.opt)
-    fresh = Pipeline(schedule, seed=2)
+    fresh = Pipeline(schedule, seed=2, mesh=mesh3d)
     fs.load(f"{root}/dp4", model=fresh.stages, optimizer=fresh.opts, across=fresh.pp)
     out["dp4_to_pp_loaded"] = max_err(fresh.full_state(), dp4.full_state())
     fresh.step(3)
@@ -204,3 +228,17 @@ def run_routes(schedules: list[str]) -> dict:
             out[schedule] = {"raised": f"{type(exc).__name__}: {exc}"}
             raise
     return out
+
+
+_MESHES_3D: list = []
+
+
+def run_3d_route() -> dict:
+    """World 8: pp 2 x dp 2 x tp 2 (1F1B) -> dp 4 x tp 2 -> back (see ``run_route``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not _MESHES_3D:  # made once per pool worker (a world collective)
+        names3, names2 = ("pp", "dp", "tp"), ("dp", "tp")
+        _MESHES_3D.append(init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=names3))
+        _MESHES_3D.append(init_device_mesh("cpu", (4, 2), mesh_dim_names=names2))
+    return run_route("1F1B", tuple(_MESHES_3D))

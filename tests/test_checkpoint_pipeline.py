@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from pp_checkpoint_cases import run_routes
+from pp_checkpoint_cases import run_3d_route, run_routes
 
 SCHEDULES = ("1F1B", "Interleaved1F1B")  # one stage per rank; two (two optimizers) per rank
 LOADED_TOLERANCE = 0.0  # the load puts back the saved values, bit for bit
@@ -35,3 +35,13 @@ def test_the_next_step_agrees_with_or_without_a_pipeline(routes, schedule, what)
     for rank, out in enumerate(routes):
         err, key = out[schedule][what]
         assert err <= STEP_TOLERANCE, f"rank {rank} {schedule} {what}: {key} off by {err}"
+
+
+@pytest.mark.slow  # world 8
+def test_one_checkpoint_across_pp_dp_and_tp(dist_pools):
+    """pp 2 x dp 2 x tp 2 -> dp 4 x tp 2 (no pipeline) -> back: the parts and the TP blocks'
+    origins in one checkpoint."""
+    for rank, out in enumerate(dist_pools(8).run(run_3d_route, timeout=400)):
+        for what, (err, key) in out.items():
+            tolerance = LOADED_TOLERANCE if what.endswith("loaded") else STEP_TOLERANCE
+            assert err <= tolerance, f"rank {rank} {what}: {key} off by {err}"
