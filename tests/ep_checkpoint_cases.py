@@ -135,7 +135,22 @@ def run_routes() -> dict:
     fs.load(f"{root}/ep4", model=back, optimizer=back_opt)
     out["ep4_to_ep2_loaded"] = error(back, back_slices, after)
     out.update(full_state_dicts(source, ref))
+    out["safetensors_ep4"] = safetensors_into_ep4(root, ref)
     return out
+
+
+def safetensors_into_ep4(root: str, ref: torch.nn.Module) -> float:
+    """The reference's weights as one safetensors file, read by ``fs.load`` into an ep 4
+    model: each rank reads its experts' slices of the stacked tensors."""
+    from safetensors.torch import save_file
+
+    path = f"{root}/weights.safetensors"
+    if dist.get_rank() == 0:
+        save_file({k: v.detach().clone() for k, v in ref.state_dict().items()}, path)
+    dist.barrier()
+    model, _, slices = build(4, seed=4)
+    fs.load(path, model=model)
+    return error(model, slices, ref)
 
 
 def full_state_dicts(source: torch.nn.Module, ref: torch.nn.Module) -> dict:

@@ -23,6 +23,7 @@ ROUTES = [
     "ep4_to_ep2_loaded",
     "full_state_dict",  # global expert stacks on rank 0, {} elsewhere
     "load_full_state_dict_ep4",
+    "safetensors_ep4",  # weights alone, each rank reading its experts' slices
 ]
 
 

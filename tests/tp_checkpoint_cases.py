@@ -166,6 +166,22 @@ def fsdp2_saves_flatshard_loads(root: str) -> tuple[float, float]:
     return _err(loaded, saved), _err(fs.full_state_dict(model), after)
 
 
+def safetensors_into_tp(root: str, expected: dict) -> tuple[float, float]:
+    """Weights alone: the saved full state as one safetensors file (what ``save_pretrained``
+    writes), read by ``fs.load`` into a dp 2 x tp 2 model, each rank its TP block's slices
+    (no optimizer state: the second figure is the loaded error again)."""
+    from safetensors.torch import save_file
+
+    path = f"{root}/weights.safetensors"
+    if dist.get_rank() == 0:
+        save_file({k: v.contiguous() for k, v in expected["saved"].items()}, path)
+    dist.barrier()
+    model, *_ = _flatshard(True, seed=6)
+    fs.load(path, model=model)
+    err = _err(fs.full_state_dict(model), expected["saved"])
+    return err, err
+
+
 def fragment_info_of_tp() -> dict:
     """``fs.fragment_info`` of a dp 2 x tp 2 model: each parameter's global shape (the plain
     model's) and its TP block's origin, which must fit inside."""
@@ -189,5 +205,6 @@ def run_all(root: str) -> dict:
     expected = saved_flatshard(root)
     out = load_cases(root, copy.deepcopy(expected))
     out["fsdp2_to_flatshard_tp"] = fsdp2_saves_flatshard_loads(root)
+    out["safetensors_tp"] = safetensors_into_tp(root, expected)
     out["fragment_info"] = fragment_info_of_tp()
     return out

@@ -14,7 +14,9 @@ page cache. Host memory is the shard plus at most one fragment (measured:
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 from pathlib import Path
 
@@ -24,7 +26,8 @@ from torch import nn
 
 from ..params import fragment_tag
 from . import agree, safetensors_io
-from .layout import ModelLayout, model_layout
+from .layout import ModelLayout, ParamInfo, model_layout
+from .planner import rectangles
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -111,6 +114,33 @@ class _Files:
             out.copy_(target.view(out.shape))
 
 
+def _read_placed(opened: _Files, file: Path, stored: str, info: ParamInfo) -> None:
+    """Fill the fragment of a parameter whose local block sits at ``info.origin`` of the
+    stored global tensor: its rectangles (planner.py) read as runs of contiguous elements."""
+    flat = info.fragment.detach().view(-1)
+    start = info.start
+    whole = tuple(info.shape)
+    pos = 0
+    for offsets, sizes, _ in rectangles(start, start + flat.numel(), tuple(info.local_shape)):
+        corner = [o + base for o, base in zip(offsets, info.origin, strict=True)]
+        inner = len(sizes) - 1  # iterate the dims before the contiguous tail
+        while inner > 0 and tuple(sizes[inner:]) == whole[inner:]:
+            inner -= 1
+        run = math.prod(sizes[inner:])
+        for lead in itertools.product(*(range(n) for n in sizes[:inner])):
+            index = [c + i for c, i in zip(corner, lead, strict=False)] + corner[len(lead) :]
+            opened.read(file, stored, _ravel(index, whole), flat[pos : pos + run])
+            pos += run
+
+
+def _ravel(index: list[int], shape: tuple[int, ...]) -> int:
+    """The row-major flat position of ``index`` in a tensor of ``shape``."""
+    flat = 0
+    for i, n in zip(index, shape, strict=True):
+        flat = flat * n + i
+    return flat
+
+
 def _check(layout: ModelLayout, files: dict[str, Path], sources: dict[str, str], opened) -> None:
     for name, stored in sources.items():
         want = layout.params[name].shape if name in layout.params else layout.buffers[name].shape
@@ -135,7 +165,9 @@ def load_sliced(path: Path, model: nn.Module) -> dict:
             error = f"cannot load {path}: {err}"
         agree.raise_if(agree.first_error(error, agree.model_group(model)))
         for name, p in layout.params.items():
-            if p.fragment.numel():
+            if p.fragment.numel() and p.origin is not None:  # a TP block or an expert
+                _read_placed(opened, files[sources[name]], sources[name], p)
+            elif p.fragment.numel():
                 start = fragment_tag(p.fragment).flat_range[0]
                 opened.read(files[sources[name]], sources[name], start, p.fragment.detach())
         for name, buf in layout.buffers.items():
