@@ -89,7 +89,8 @@ def build_hf_model(
     path: str, seed: int, seq_len: int, vocab_needed: int, *, tp_mesh=None, **shard_kwargs
 ) -> nn.Module:
     """The sharded transformers model, initialised identically on every rank; made
-    tensor-parallel on ``tp_mesh`` first (``parallelize_hf``) when one is given."""
+    tensor-parallel first (``parallelize_hf``) when ``tp_mesh`` is given: the job's mesh
+    with a ``"tp"`` dim (as train/build.py passes it) or the 1-D tensor-parallel mesh."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     where = check_hf_dir(path)
@@ -101,7 +102,7 @@ def build_hf_model(
     if tp_mesh is not None:
         from flatshard.models.tensor_parallel import parallelize_hf
 
-        parallelize_hf(model, tp_mesh)
+        parallelize_hf(model, tp_mesh["tp"] if tp_mesh.ndim > 1 else tp_mesh)
     fs.shard(model, policy=no_split_policy(model), **shard_kwargs)
     if has_weights(where):
         try:
