@@ -10,6 +10,7 @@ import warnings
 
 from .devices import DEVICES
 from .memory import estimate_memory
+from .pipeline_report import add_options, format_section, section
 from .report import GIB, Report, format_table, to_json
 from .spec import STRATEGIES, Layout, ModelSpec, Precision, Workload
 from .steptime import estimate_time
@@ -24,6 +25,8 @@ EXAMPLES = """examples:
   flatshard estimate --layers 80 --hidden 8192 --heads 64 --kv-heads 8 --ffn 28672 \\
       --vocab 128256 --seq 8192 --batch 16 --world 32 --tp 8 --act-ckpt
       (torchtitan's Llama 3 70B on 256 GPUs: FSDP 32 x TP 8)
+  flatshard estimate --model 1b --world 4 --batch 8 --pp 4 --microbatches 8 --schedule 1F1B
+  flatshard estimate --model small --world 8 --experts 8 --top-k 2 --ep 4
 """
 
 
@@ -43,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--norm", choices=("rmsnorm", "layernorm"), default="rmsnorm")
     m.add_argument("--tied", action="store_true", help="explicit sizes: tie embedding and head")
     _layout_options(p.add_argument_group("layout and workload"))
+    add_options(p.add_argument_group("pipeline and experts"))
     _hardware_options(p.add_argument_group("hardware"))
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="PATH", help="write the JSON report ('-' = stdout only)")
@@ -195,12 +199,16 @@ def main(argv: list[str] | None = None) -> int:
         report = estimate(args)
         if args.measure:
             report = dataclasses.replace(report, measured=_measure(args, report))
+        parallel = section(args, report)  # --pp, --experts: None without them
     except ValueError as err:
         parser.error(str(err))
     if args.json != "-":
         print(format_table(report))
+        if parallel:
+            print(format_section(parallel))
     if args.json:
-        text = json.dumps(to_json(report), indent=1)
+        data = to_json(report) | ({"pipeline_and_experts": parallel} if parallel else {})
+        text = json.dumps(data, indent=1)
         if args.json == "-":
             print(text)
         else:

@@ -7,6 +7,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,8 @@ __all__ = [
     "build_model",
     "build_optimizer",
     "build_scheduler",
+    "build_training",
+    "flops_per_token",
     "init_distributed",
     "warmup_cosine",
 ]
@@ -42,19 +45,23 @@ class Env:
     """This worker's compute device (``cuda:LOCAL_RANK`` or ``cpu``)."""
     tp: int = 1
     """Tensor-parallel degree: groups of ``tp`` consecutive ranks split each layer."""
+    pp: int = 1
+    """Pipeline-parallel degree: ``pp`` groups of ``world / pp`` consecutive ranks, one per
+    pipeline rank (see [Note: the trainer's (pp, dp) layout] in train/pipeline.py)."""
 
     @property
     def dp_rank(self) -> int:
-        """This rank's data-parallel rank (the tp ranks of a group share it and its data)."""
-        return self.rank // self.tp
+        """This rank's data-parallel rank (the tp ranks of a group, and the pp ranks of a dp
+        column, share it and its data)."""
+        return (self.rank // self.tp) % self.dp_world
 
     @property
     def dp_world(self) -> int:
         """Number of data-parallel ranks (distinct batches per step)."""
-        return self.world // self.tp
+        return self.world // (self.tp * self.pp)
 
 
-def init_distributed(backend: str, timeout_s: float, tp: int = 1) -> Env:
+def init_distributed(backend: str, timeout_s: float, tp: int = 1, pp: int = 1) -> Env:
     """Join the job's process group from torchrun's environment variables.
 
     ``backend`` is ``"nccl"`` (one GPU per worker, by ``LOCAL_RANK``) or ``"gloo"`` (CPU).
@@ -71,7 +78,7 @@ def init_distributed(backend: str, timeout_s: float, tp: int = 1) -> Env:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     world = dist.get_world_size()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return Env(dist.get_rank(), world, local_world, device, tp)
+    return Env(dist.get_rank(), world, local_world, device, tp, pp)
 
 
 def build_model(cfg: TrainConfig, env: Env, vocab_needed: int = 258) -> GPT:
@@ -97,6 +104,10 @@ def build_model(cfg: TrainConfig, env: Env, vocab_needed: int = 258) -> GPT:
             strategy=cfg.parallel.strategy, mixed_precision=mixed_precision(cfg), mesh=mesh,
             timeout_s=cfg.parallel.timeout_s, tp_mesh=tp_mesh,
         )  # fmt: skip
+    if cfg.model.experts:  # see [Note: the trainer's (efsdp, ep) layout]
+        from flatshard.train.moe import build_moe_model
+
+        return build_moe_model(cfg, env.device, env.world)
     torch.manual_seed(cfg.seed)
     if env.device.type == "cpu":
         # no ``with device:`` here: that mode sends nn.init through torch._refs, whose first
@@ -179,3 +190,36 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> Lambd
     """The warm-up + cosine schedule; ``cfg.decay_steps`` must be resolved (non-zero)."""
     assert cfg.decay_steps > 0, "resolve() sets decay_steps before the scheduler is built"
     return LambdaLR(optimizer, warmup_cosine(cfg))
+
+
+def build_training(cfg: TrainConfig, env: Env, vocab: int) -> tuple[Any, Any, LambdaLR, Any]:
+    """The sharded model, its optimizer and LR schedule, and None; with pp > 1 this rank's
+    stage modules (a list), the first stage's optimizer and schedule, and the ``Pipeline``
+    holding one of each per stage (stepped together)."""
+    if env.pp == 1:
+        model = build_model(cfg, env, vocab)
+        # identical init everywhere, then a per-rank stream: dropout masks differ between ranks
+        torch.manual_seed(cfg.seed * 1_000_003 + 1 + env.rank)
+        optimizer = build_optimizer(model, cfg.optim)
+        return model, optimizer, build_scheduler(optimizer, cfg.optim), None
+    from flatshard.train.pipeline_build import build_pipeline
+
+    pipe = build_pipeline(cfg, env.rank, env.world, env.device)
+    torch.manual_seed(cfg.seed * 1_000_003 + 1 + env.rank)
+    pipe.optimizers = [build_optimizer(m, cfg.optim) for m in pipe.stages]
+    pipe.schedulers = [build_scheduler(o, cfg.optim) for o in pipe.optimizers]
+    return pipe.stages, pipe.optimizers[0], pipe.schedulers[0], pipe
+
+
+def flops_per_token(cfg: TrainConfig, model: Any, attention_length: float) -> float:
+    """Training FLOPs per token (for MFU) of the GPT, the MoE GPT (active parameters), the
+    pipeline's whole GPT, or a Hugging Face model."""
+    if isinstance(model, list):  # pipeline stages: the whole GPT's count
+        return gpt_config(cfg).flops_per_token(attention_length)
+    if cfg.model.experts:  # the active parameters: router + top_k experts per layer
+        from flatshard.train.resolve import moe_config
+
+        return moe_config(cfg).flops_per_token(round(attention_length))
+    from flatshard.train import hf_model
+
+    return hf_model.flops_per_token(model, attention_length)

@@ -34,6 +34,7 @@ __all__ = [
     "refuse_to_mix",
     "rng_state",
     "set_rng_state",
+    "supports_across",
 ]
 
 _NAME = re.compile(r"^step_(\d+)$")
@@ -115,14 +116,20 @@ class CheckpointManager:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         extra: dict[str, Any],
+        across: Any = None,
     ) -> Path:
-        """Write the checkpoint of ``step`` (collective: every rank calls it), then prune."""
+        """Write the checkpoint of ``step`` (collective: every rank calls it), then prune.
+        Pipeline stages: ``model``/``optimizer`` are this rank's lists and ``across`` the pp
+        mesh (one checkpoint of the whole model)."""
         save, _, _ = _api()
         self.wait()  # at most one save in flight: its buffers are still being written
         path = self.path(step)
         if self.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
-        handle = save(path, model=model, optimizer=optimizer, extra=extra, async_=self.async_save)
+        more = {} if across is None else {"across": across}
+        handle = save(
+            path, model=model, optimizer=optimizer, extra=extra, async_=self.async_save, **more
+        )
         if self.async_save:
             self._pending = handle
         self._prune()
@@ -145,8 +152,22 @@ class CheckpointManager:
             shutil.rmtree(old, ignore_errors=True)
 
     def load(
-        self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+        self,
+        path: Path,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        across: Any = None,
     ) -> dict[str, Any]:
-        """Load the tensors of ``path`` into ``model``/``optimizer``; returns ``extra``."""
+        """Load the tensors of ``path`` into ``model``/``optimizer`` (lists and ``across`` as
+        for :meth:`save`); returns ``extra``."""
         _, load, _ = _api()
-        return load(path, model=model, optimizer=optimizer)
+        more = {} if across is None else {"across": across}
+        return load(path, model=model, optimizer=optimizer, **more)
+
+
+def supports_across() -> bool:
+    """Whether this flatshard's ``fs.save`` writes one checkpoint of several pipeline stages
+    (``across=``): pipeline runs need it for checkpoints."""
+    import inspect
+
+    return "across" in inspect.signature(_api()[0]).parameters

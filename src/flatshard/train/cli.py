@@ -142,11 +142,12 @@ def _precheck(cfg: TrainConfig, resume: bool) -> None:
 
 
 def _precheck_tp(cfg: TrainConfig) -> None:
-    """A tp degree the local workers cannot form; loss_parallel without tp (no effect)."""
+    """A tp, pp or ep layout the local workers cannot form; loss_parallel without tp (no
+    effect)."""
+    from flatshard.train.layout import check_layout
     from flatshard.train.resolve import default_nproc
-    from flatshard.train.tensor_parallel import check_tp
 
-    check_tp(cfg, cfg.parallel.nproc or default_nproc())
+    check_layout(cfg, cfg.parallel.nproc or default_nproc())
     if cfg.parallel.loss_parallel and cfg.parallel.tp == 1:
         print(
             "flatshard train: note: parallel.loss_parallel has no effect with parallel.tp=1",

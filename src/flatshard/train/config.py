@@ -31,6 +31,11 @@ DTYPES = ("fp32", "bf16", "fp16")
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
 NONFINITE = ("error", "skip")
 OPTIMIZERS = ("adamw", "muon", "adafactor")
+SCHEDULES = (
+    "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+    "DualPipeV",
+)  # fmt: skip
+"""torch.distributed.pipelining's schedule names (``get_schedule_class``)."""
 
 
 def _fail(where: str, value: object, rule: str, fix: str) -> ValueError:
@@ -78,6 +83,14 @@ class ModelConfig:
     """MLP hidden width; 0 = the preset's (8/3 d_model rounded to 64 for SwiGLU)."""
     dropout: float = 0.0
     """Dropout on embeddings and residual branches (0 = off, the usual for pre-training)."""
+    tie_embeddings: bool = True
+    """Share the embedding matrix with the output head (the GPT's default). Pipeline
+    parallelism puts them on different stages: pass false with --parallelism.pp > 1."""
+    experts: int = 0
+    """Experts per layer: 0 = the dense GPT; E > 0 = a Mixture-of-Experts GPT
+    (flatshard.models.moe: every block's MLP is E SwiGLU experts of width d_ff, top_k routed)."""
+    top_k: int = 2
+    """With experts > 0: experts each token is routed to (at most experts)."""
     hf: str = ""
     """A transformers causal LM instead of the GPT: a directory with a config.json (random
     init) or a save_pretrained directory (its weights); "" = the GPT. Local files only. The
@@ -90,6 +103,13 @@ class ModelConfig:
         for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
             _int(f"model.{name}", getattr(self, name), 0)
         _float("model.dropout", self.dropout, 0.0, 0.99)
+        if not isinstance(self.tie_embeddings, bool):
+            raise TypeError(f"model.tie_embeddings={self.tie_embeddings!r} must be true or false")
+        _int("model.experts", self.experts, 0)
+        _int("model.top_k", self.top_k, 1)
+        if self.experts and self.top_k > self.experts:
+            raise _fail("model.top_k", self.top_k, f"exceeds model.experts={self.experts}",
+                        f"pass a --model.top_k of at most {self.experts}")  # fmt: skip
         if not isinstance(self.hf, str):
             raise TypeError(f"model.hf={self.hf!r} must be a directory path (a string)")
 
@@ -150,6 +170,23 @@ class ParallelConfig:
     loss_parallel: bool = False
     """With tp > 1: keep the logits split over the vocabulary and compute the loss with
     torch's loss_parallel (no gathered [rows, seq_len, vocab] logits). The GPT only."""
+    pp: int = 1
+    """Pipeline-parallel degree (--parallelism.pp N): the GPT's blocks are cut into stages over
+    N groups of world/N ranks (torch.distributed.pipelining); fs.shard shards each stage over
+    its world/N data-parallel ranks ([Note: the trainer's (pp, dp) layout], train/pipeline.py)."""
+    schedule: str = "1F1B"
+    """The pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble,
+    ZBVZeroBubble or DualPipeV (the last five hold several stages per rank)."""
+    microbatches: int = 0
+    """Pipeline microbatches per step per data-parallel rank; 0 = one row each (data.rows x
+    data.micro_batches, the rows a step feeds the pipeline). Must divide those rows."""
+    stages_per_rank: int = 0
+    """Stages each pp rank holds; 0 = 1 for GPipe and 1F1B, 2 for the others (the V-shaped
+    ZBVZeroBubble and DualPipeV need exactly 2)."""
+    ep: int = 1
+    """Expert-parallel degree (with model.experts > 0): each group of ep consecutive ranks
+    splits every layer's experts (all-to-all dispatch); each expert is sharded over the
+    world/ep ranks holding it. Must divide the world size and model.experts."""
 
     def __post_init__(self) -> None:
         _int("parallel.nproc", self.nproc, 0)
@@ -158,6 +195,11 @@ class ParallelConfig:
         _float("parallel.timeout_s", self.timeout_s, 0.0, open_low=True)
         _int("parallel.max_restarts", self.max_restarts, 0)
         _int("parallel.tp", self.tp, 1)
+        _int("parallel.pp", self.pp, 1)
+        _choice("parallel.schedule", self.schedule, SCHEDULES)
+        _int("parallel.microbatches", self.microbatches, 0)
+        _int("parallel.stages_per_rank", self.stages_per_rank, 0)
+        _int("parallel.ep", self.ep, 1)
         if not isinstance(self.loss_parallel, bool):
             raise TypeError(f"parallel.loss_parallel={self.loss_parallel!r} must be true or false")
 

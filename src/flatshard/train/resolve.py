@@ -15,7 +15,14 @@ import flatshard as fs
 from flatshard.models import GPTConfig
 from flatshard.train.config import TrainConfig
 
-__all__ = ["default_nproc", "gpt_config", "mixed_precision", "resolve", "torch_dtype"]
+__all__ = [
+    "default_nproc",
+    "gpt_config",
+    "mixed_precision",
+    "moe_config",
+    "resolve",
+    "torch_dtype",
+]
 
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -58,7 +65,25 @@ def gpt_config(cfg: TrainConfig) -> GPTConfig:
     m = cfg.model
     shape = {k: getattr(m, k) for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff")}
     overrides = {k: v for k, v in shape.items() if v}
-    return GPTConfig.preset(m.preset, **overrides, dropout=m.dropout, max_seq_len=cfg.data.seq_len)
+    return GPTConfig.preset(
+        m.preset,
+        **overrides,
+        dropout=m.dropout,
+        max_seq_len=cfg.data.seq_len,
+        tie_embeddings=m.tie_embeddings,
+    )
+
+
+def moe_config(cfg: TrainConfig) -> object:
+    """The Mixture-of-Experts shape (``model.experts > 0``): :func:`gpt_config`'s, every
+    block's MLP made ``model.experts`` experts of width ``d_ff``, ``model.top_k`` routed."""
+    import dataclasses as dc
+
+    from flatshard.models.moe import MoEConfig
+
+    dense = gpt_config(cfg)
+    fields = {f.name: getattr(dense, f.name) for f in dc.fields(dense) if f.init}
+    return MoEConfig(**fields, n_experts=cfg.model.experts, top_k=cfg.model.top_k)
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -18,14 +18,8 @@ import torch.distributed as dist
 
 import flatshard as fs
 from flatshard.comm.shutdown import end_process_group
-from flatshard.train import hf_model
-from flatshard.train.build import (
-    Env,
-    build_model,
-    build_optimizer,
-    build_scheduler,
-    init_distributed,
-)
+from flatshard.train import hf_model, pipeline
+from flatshard.train.build import Env, build_training, flops_per_token, init_distributed
 from flatshard.train.checkpointing import (
     CheckpointManager,
     refuse_to_mix,
@@ -36,9 +30,9 @@ from flatshard.train.config import TrainConfig
 from flatshard.train.config_io import to_dict, to_toml
 from flatshard.train.data import endless, load_corpus, make_sampler, validation_steps
 from flatshard.train.launcher import LOCAL_LAUNCH_ENV
+from flatshard.train.layout import check_layout
 from flatshard.train.metrics import MetricsLog, peak_flops, read_metrics
-from flatshard.train.resolve import resolve
-from flatshard.train.tensor_parallel import check_tp
+from flatshard.train.resolve import gpt_config, moe_config, resolve
 from flatshard.train.trainer import Run, sample_text, train_loop
 
 __all__ = ["worker_main"]
@@ -81,12 +75,9 @@ def _start_point(cfg: TrainConfig, ckpt: CheckpointManager | None, resume: bool)
 
 def setup(cfg: TrainConfig, env: Env, resume: bool) -> tuple[Run, str | None]:
     """Build the run on this worker; returns it and the checkpoint to resume from."""
-    check_tp(cfg, env.world)
+    check_layout(cfg, env.world)
     corpus = load_corpus(cfg.data, hf_model.tokenizer_for(cfg.model.hf))
-    model = build_model(cfg, env, corpus.tokenizer.vocab_size)
-    # identical init everywhere, then a per-rank stream: dropout masks differ between ranks
-    torch.manual_seed(cfg.seed * 1_000_003 + 1 + env.rank)
-    optimizer = build_optimizer(model, cfg.optim)
+    model, optimizer, scheduler, pipe = build_training(cfg, env, corpus.tokenizer.vocab_size)
     # the data-parallel rank: every tp rank of a group reads the same batches
     sampler = make_sampler(
         corpus.train, cfg.data, rank=env.dp_rank, world=env.dp_world, seed=cfg.seed, train=True
@@ -103,14 +94,24 @@ def setup(cfg: TrainConfig, env: Env, resume: bool) -> tuple[Run, str | None]:
     start = _on_rank0(_start_point, cfg, ckpt, resume)
     run = Run(
         cfg=cfg, env=env, model=model, optimizer=optimizer,
-        scheduler=build_scheduler(optimizer, cfg.optim), corpus=corpus, sampler=sampler,
+        scheduler=scheduler,
+        corpus=corpus, sampler=sampler, pipe=pipe,
         stream=None, val_steps=validation_steps(corpus.val, cfg.data, rank=env.dp_rank,
                                                 world=env.dp_world, count=cfg.log.val_batches),
         ckpt=ckpt, log=None,
-        flops_per_token=hf_model.flops_per_token(model, corpus.attention_length),
+        flops_per_token=flops_per_token(cfg, model, corpus.attention_length),
         peak_flops=peak_flops(env.device),
     )  # fmt: skip
     return run, start
+
+
+def _checkpoint_parts(run: Run) -> dict[str, Any]:
+    """``fs.save``/``fs.load``'s model and optimizer: with pp > 1 the lists of this rank's
+    stages and their optimizers, written as one checkpoint of the whole model across pp."""
+    if run.pipe is None:
+        return {"model": run.model, "optimizer": run.optimizer}
+    pipe = run.pipe
+    return {"model": pipe.stages, "optimizer": pipe.optimizers, "across": pipe.mesh["pp"]}
 
 
 def _save(run: Run) -> None:
@@ -127,7 +128,12 @@ def _save(run: Run) -> None:
         "skipped_steps": run.skipped_steps,
         "config": to_dict(run.cfg),
     }
-    path = run.ckpt.save(run.step, run.model, run.optimizer, extra)
+    try:
+        path = run.ckpt.save(run.step, extra=extra, **_checkpoint_parts(run))
+    except NotImplementedError as e:  # e.g. per-unit (expert) meshes, not yet checkpointable
+        raise ValueError(
+            f"this run cannot be checkpointed yet ({e}); pass --checkpoint.enabled false"
+        ) from None
     run.say(f"checkpoint: {path}")
 
 
@@ -148,10 +154,16 @@ def _changes(saved: dict[str, Any], now: dict[str, Any], prefix: str = "") -> li
 
 def restore(run: Run, path: Path) -> None:
     """Continue from the checkpoint at ``path``: tensors, data position, schedule, RNG, curve."""
-    extra = run.ckpt.load(path, run.model, run.optimizer)
-    run.scheduler.load_state_dict(extra["scheduler"])
-    for group, lr in zip(run.optimizer.param_groups, run.scheduler.get_last_lr(), strict=True):
-        group["lr"] = lr  # whatever the optimizer state held: the schedule is the authority
+    extra = run.ckpt.load(path, **_checkpoint_parts(run))
+    pairs = (
+        zip(run.pipe.optimizers, run.pipe.schedulers, strict=True)
+        if run.pipe
+        else [(run.optimizer, run.scheduler)]
+    )
+    for optimizer, scheduler in pairs:
+        scheduler.load_state_dict(extra["scheduler"])
+        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr  # whatever the optimizer state held: the schedule is the authority
     changes = _changes(extra.get("config", {}), to_dict(run.cfg))
     try:
         run.sampler.load_state_dict(extra["sampler"])  # ValueError if the data set changed
@@ -182,15 +194,26 @@ def _header(run: Run) -> str:
     d = cfg.data
     tokens = env.dp_world * d.micro_batches * d.rows * d.seq_len
     tp = f" (dp {env.dp_world} x tp {env.tp})" if env.tp > 1 else ""
+    if env.pp > 1:
+        tp = (f" (pp {env.pp} x dp {env.dp_world}, {cfg.parallel.schedule}, "
+              f"{pipeline.microbatch_count(cfg)} microbatches)")  # fmt: skip
     return "\n".join([
         f"flatshard train: {env.world} rank(s){tp}, {cfg.parallel.backend} on "
         f"{env.device.type}, {cfg.parallel.strategy}, {cfg.precision.param_dtype}",
-        f"  model: {_model_name(run)}, {hf_model.num_params(run.model):,} parameters",
+        f"  model: {_model_name(run)}, {_num_params(run):,} parameters",
         f"  data: {corpus.source}, {_tokens_of(corpus)}: {len(corpus.train):,} training pieces, "
         f"{len(corpus.val):,} validation; {'packed' if d.packing else 'padded'} rows of "
         f"{d.seq_len} tokens, {tokens:,} token slots per step",
         f"  out: {cfg.out}",
     ])  # fmt: skip
+
+
+def _num_params(run: Run) -> int:
+    if run.pipe is not None:
+        return gpt_config(run.cfg).num_params()
+    if run.cfg.model.experts:
+        return moe_config(run.cfg).num_params()
+    return hf_model.num_params(run.model)
 
 
 def _tokens_of(corpus) -> str:
@@ -200,6 +223,10 @@ def _tokens_of(corpus) -> str:
 def _model_name(run: Run) -> str:
     if run.cfg.model.hf:
         return f"{type(run.model).__name__} from {run.cfg.model.hf}"
+    if run.cfg.model.experts:
+        m = run.cfg.model
+        ep = f", ep {run.cfg.parallel.ep}" if run.cfg.parallel.ep > 1 else ""
+        return f"{m.preset} MoE GPT ({m.experts} experts, top-{m.top_k}{ep})"
     return f"{run.cfg.model.preset} GPT"
 
 
@@ -337,7 +364,8 @@ def worker_main(cfg: TrainConfig, resume: bool) -> dict[str, Any] | None:
     resume = resume or restart_count() > 0
     try:
         cfg = _local_env_config(cfg)
-        env = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s, cfg.parallel.tp)
+        p = cfg.parallel
+        env = init_distributed(p.backend, p.timeout_s, p.tp, p.pp)
         rank = str(env.rank)
         try:
             return run_worker(cfg, env, resume)

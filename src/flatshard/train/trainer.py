@@ -24,11 +24,13 @@ import torch.distributed as dist
 import flatshard as fs
 from flatshard.models import GPT
 from flatshard.packing import PackedBatch, global_token_count, packed_cross_entropy
-from flatshard.train import hf_model, tensor_parallel
+from flatshard.train import hf_model, moe, tensor_parallel
 from flatshard.train.build import Env
 from flatshard.train.config import TrainConfig
 from flatshard.train.data import Corpus, to_batch
 from flatshard.train.metrics import MetricsLog, peak_memory_mb
+from flatshard.train.pipeline_forward import pipeline_evaluate, pipeline_generate
+from flatshard.train.pipeline_train import pipeline_train_step
 from flatshard.train.plots import write_plots
 
 __all__ = ["Run", "evaluate", "sample_text", "train_loop", "train_step"]
@@ -57,6 +59,7 @@ class Run:
     skipped_steps: int = 0  # steps whose update was skipped (optim.nonfinite = "skip")
     last: dict[str, Any] = field(default_factory=dict)
     plots_note: str | None = None  # the last plot attempt: None none yet, "" written, else why not
+    pipe: Any = None  # train.pipeline.Pipeline with --parallelism.pp > 1 (model: its stages)
 
     @property
     def out(self) -> Path:
@@ -81,7 +84,8 @@ def train_step(run: Run, batches: list[PackedBatch]) -> dict[str, float]:
         with tensor_parallel.loss_context(run.cfg):
             logits = hf_model.logits(run.model, b)  # [R, T, V]
             loss = packed_cross_entropy(logits, b.labels, targets, world_size=world)
-            loss.backward()
+            balance = moe.aux_loss(run.model, len(batches))  # MoE: load balancing, else None
+            (loss if balance is None else loss + balance).backward()
         stats[0] += tensor_parallel.scalar(loss.detach()).float()
         stats[1] += (b.input_ids != run.corpus.tokenizer.pad_id).sum()
     clip = run.cfg.optim.grad_clip
@@ -116,6 +120,8 @@ def evaluate(run: Run) -> float | None:
     """Mean token loss over the fixed validation micro-batches (None without validation data)."""
     if not run.val_steps:
         return None
+    if run.pipe is not None:
+        return pipeline_evaluate(run)
     run.model.eval()
     totals = torch.zeros(2, device=run.env.device)  # [token-loss sum, target count]
     for indices in run.val_steps:  # the same count on every rank
@@ -137,12 +143,19 @@ def sample_text(run: Run) -> str:
     tokenizer = run.corpus.tokenizer
     ids = torch.tensor(tokenizer.encode(log.sample_prompt, add_eos=False), device=device)
     gen = torch.Generator(device=device).manual_seed(run.cfg.seed)
-    run.model.eval()
-    if run.env.tp > 1:
+    modules = run.pipe.stages if run.pipe is not None else [run.model]
+    for module in modules:
+        module.eval()
+    if run.pipe is not None:
+        out = pipeline_generate(run, ids, log.sample_tokens, gen)
+    elif run.env.tp > 1:
         out = tensor_parallel.generate(run.model, ids, log.sample_tokens, run.env.tp, gen)
+    elif run.cfg.model.experts:
+        out = moe.generate(run.model, ids, log.sample_tokens, gen)
     else:
         out = hf_model.generate(run.model, ids, log.sample_tokens, 0.8, 20, gen)
-    run.model.train()
+    for module in modules:
+        module.train()
     out_ids = out.tolist()
     if tokenizer.eos_id in out_ids[len(ids) :]:  # cut at the first end-of-document
         out_ids = out_ids[: out_ids.index(tokenizer.eos_id, len(ids))]
@@ -205,7 +218,7 @@ def train_loop(run: Run, save: Any) -> None:
             to_batch(run.corpus.train, mb, cfg.data, run.env.device, _pad(run))
             for mb in next(run.stream)
         ]
-        out = train_step(run, batches)
+        out = (train_step if run.pipe is None else pipeline_train_step)(run, batches)
         seconds = time.perf_counter() - t0
         run.step, run.tokens_seen = step, run.tokens_seen + int(out["tokens"])
         run.skipped_steps += int(out["skipped"])
