@@ -39,6 +39,7 @@ _WHERE = {
     "register_method": "methods",
     "CPUOffload": "offload",
     "pipeline_step": "pipeline",
+    "tie_across_stages": "pipeline_tied",
     "full_optimizer_state_dict": "optim_state",
     "load_full_optimizer_state_dict": "optim_state",
     "FragmentInfo": "params",
@@ -76,6 +77,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
     from .optim_state import full_optimizer_state_dict, load_full_optimizer_state_dict
     from .params import FragmentInfo, fragment_info, full_shape
     from .pipeline import pipeline_step
+    from .pipeline_tied import tie_across_stages
     from .precision import MixedPrecision
     from .prefetch import Prefetch
     from .state_dict import full_state_dict, load_full_state_dict, summon_full_params
@@ -131,6 +133,7 @@ __all__ = [
     "save_pretrained",
     "shard",
     "summon_full_params",
+    "tie_across_stages",
     "units",
     "wrap",
 ]

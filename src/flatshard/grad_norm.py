@@ -22,7 +22,8 @@ own (each over its dp mesh). ``fs.clip_grad_norm_(stages, max_norm, across=pp_gr
 the p-th powers of each stage over its own ranks (as for one model), adds the stages of this
 rank, then adds up over ``across``: each parameter of the whole model is counted once (ranks
 of one pp group hold different stages), and every rank clips by the whole model's norm
-(torchtitan all-reduces the norm over pp the same way).
+(torchtitan all-reduces the norm over pp the same way). Copies of a weight declared with
+``fs.tie_across_stages`` count once: every copy but the first is skipped (``is_tied_duplicate``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .comm.collectives import all_reduce
 from .engine.state import get_state
 from .params import fragment_tag, state_of_parameters
+from .pipeline_tied import is_tied_duplicate
 
 
 @torch.no_grad()
@@ -86,7 +88,7 @@ def _has_grad(p: torch.Tensor) -> bool:
 
 def _model_powers(params: list, state, norm_type: float, foreach) -> torch.Tensor:
     """One sharded model's sum of p-th powers (max for the inf-norm) over all its ranks."""
-    with_grad = [p for p in params if _has_grad(p)]
+    with_grad = [p for p in params if _has_grad(p) and not is_tied_duplicate(p)]
     grads = [p.grad for p in with_grad]
     device = state.device if state is not None else torch.device("cpu")
     # fp32 at least (bf16 gradients' norms would round), fp64 for fp64 gradients

@@ -22,6 +22,15 @@ block the fragments are leaves of the graph, so torch's weight pass reaches the 
 and the saved views it unpacks regather a released unit on demand (see [Note: fragments in the
 graph] in engine/hooks.py).
 
+Checks: the first ``pipeline_step`` of a schedule agrees with every pp rank (one
+``all_gather_object`` over its pp group) that each stage module is sharded and the
+microbatches suit the schedule, so a mistake on one rank raises on all of them instead of
+leaving the others blocked in a receive (``pipeline_checks.py``).
+
+Tied parameters (an embedding on the first stage tied to the head on the last): declared once
+with ``fs.tie_across_stages(schedule, ...)``; leaving the block then gives every copy the sum
+of the copies' gradients (``pipeline_tied.py``).
+
 Gathers: a unit is released after each microbatch's backward pass (and after its forward under
 full_shard) and regathered at its next use, so a step holds one microbatch's units, at one
 gather per unit per microbatch forward and backward (plus one in a weight pass that finds its
@@ -34,6 +43,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from .engine.state import ShardedState, StateMode, get_state
+from .pipeline_checks import check_schedule, schedule_stages
+from .pipeline_tied import TIES_ATTR
 
 
 @contextmanager
@@ -41,8 +52,13 @@ def pipeline_step(schedule) -> Iterator[None]:
     """One optimizer step of ``schedule`` (a ``torch.distributed.pipelining`` schedule whose
     stages wrap sharded modules): gradients are reduced once per unit, when the block ends,
     and scaled as the schedule scales them (``scale_grads``: divided by the microbatches).
-    Every rank of the pipeline enters it around its ``schedule.step``."""
-    states, scale = _stage_states(schedule)
+    Every rank of the pipeline enters it around its ``schedule.step``. ``ValueError`` on every
+    pp rank, before any step, for a stage module that is not sharded or too few microbatches
+    for the schedule; copies declared with ``fs.tie_across_stages`` get their summed gradient
+    when the block ends."""
+    stages = schedule_stages(schedule)
+    check_schedule(schedule, stages)
+    states, scale = _stage_states(schedule, stages)
     for state in states:
         if state.mode is not StateMode.TRAIN:
             raise ValueError(
@@ -63,6 +79,9 @@ def pipeline_step(schedule) -> Iterator[None]:
         state.mode = StateMode.TRAIN
         _scale_kept_grads(state, scale)
         state.finish_backward()  # reduce each unit once, wait, agree on usage, assign .grad
+    ties = getattr(schedule, TIES_ATTR, None)
+    if ties is not None:  # after every stage's .grad is assigned: sum the tied copies
+        ties.sum_gradients()
 
 
 def _scale_kept_grads(state: ShardedState, scale: float) -> None:
@@ -76,15 +95,9 @@ def _scale_kept_grads(state: ShardedState, scale: float) -> None:
                 flat.mul_(scale)
 
 
-def _stage_states(schedule) -> tuple[list[ShardedState], float]:
+def _stage_states(schedule, stages: list) -> tuple[list[ShardedState], float]:
     """The sharded states of the schedule's stages on this rank (each once, in stage order)
     and the factor its ``scale_grads`` applies."""
-    stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]
-    if not hasattr(schedule, "_n_microbatches") or any(s is None for s in stages):
-        raise TypeError(
-            f"fs.pipeline_step(schedule): got {type(schedule).__name__}; pass the "
-            "torch.distributed.pipelining schedule (e.g. Schedule1F1B) whose step() you run"
-        )
     states: list[ShardedState] = []
     for stage in stages:
         state = get_state(stage.submod)

@@ -45,6 +45,27 @@ class SavedView:
         return group.full.data.as_strided(self.size, self.stride, self.offset)
 
 
+@dataclass(frozen=True)
+class SavedDTensorView:
+    """A saved DTensor (a tensor-parallel weight, as autograd saves it) whose local tensor is
+    a :class:`SavedView`: rebuilt as the same DTensor over the buffer of that moment."""
+
+    local: SavedView
+    mesh: Any
+    placements: tuple
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+    def rebuild(self) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        with torch.no_grad():
+            return DTensor.from_local(
+                self.local.rebuild(), self.mesh, self.placements, run_check=False,
+                shape=self.shape, stride=self.stride,
+            )  # fmt: skip
+
+
 def make_hooks(
     pool: GatherPool, outer_pack: Callable[[torch.Tensor], Any] | None = None
 ) -> torch.autograd.graph.saved_tensors_hooks:
@@ -127,22 +148,32 @@ def enter_regathering(unit: Unit, regather: Callable[[], None]) -> None:
 
 def install_regathering(unit: Unit, regather: Callable[[], None], outer=None) -> None:
     """Enter saved-tensor hooks that pack views of ``unit``'s buffers as ``SavedView``s that
-    ``regather`` it when unpacked after a release (one entry on ``unit.saved_hooks``); other
-    tensors go to ``outer`` (an enclosing unit's pack) or are kept as they are."""
+    ``regather`` it when unpacked after a release (one entry on ``unit.saved_hooks``); a
+    saved DTensor over such a view (a tensor-parallel weight) as a ``SavedDTensorView``;
+    other tensors go to ``outer`` (an enclosing unit's pack) or are kept as they are."""
     owners = {g.full.untyped_storage().data_ptr(): g for g in unit.groups if g.is_allocated}
 
-    def pack(tensor: torch.Tensor) -> Any:
+    def view_of(tensor: torch.Tensor) -> SavedView | None:
         try:
             group = owners.get(tensor.untyped_storage().data_ptr())
         except (RuntimeError, NotImplementedError):  # no plain storage (sparse, nested, ...)
-            group = None
-        if group is not None:
-            size, stride = tuple(tensor.size()), tensor.stride()
-            return SavedView(group, tensor.storage_offset(), size, stride, regather)
+            return None
+        if group is None:
+            return None
+        size, stride = tuple(tensor.size()), tensor.stride()
+        return SavedView(group, tensor.storage_offset(), size, stride, regather)
+
+    def pack(tensor: torch.Tensor) -> Any:
+        local = getattr(tensor, "_local_tensor", None)  # a DTensor: a TP weight's view
+        if local is not None and (saved := view_of(local)) is not None:
+            placements, shape = tuple(tensor.placements), tensor.shape
+            return SavedDTensorView(saved, tensor.device_mesh, placements, shape, tensor.stride())
+        if local is None and (saved := view_of(tensor)) is not None:
+            return saved
         return tensor.detach() if outer is None else outer(tensor)
 
     def unpack(saved: Any) -> torch.Tensor:
-        return saved.rebuild() if isinstance(saved, SavedView) else saved
+        return saved.rebuild() if isinstance(saved, (SavedView, SavedDTensorView)) else saved
 
     pack.flatshard_pool = None  # type: ignore[attr-defined]  # flatshard's: inner units chain
     hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
