@@ -120,7 +120,6 @@ def test_bf16_compute_is_as_close_as_fsdp2(results):
 
 
 EXPECTED_ERRORS = {
-    "export": "does not support tensor-parallel",
     "overlapping": "share ranks",
     "on_both_dims": "on a 2-D mesh",
     "two_tp_meshes": "different meshes",

@@ -377,13 +377,7 @@ def errors() -> dict[str, str]:
         parallelize_module(model.blocks[0], mesh["tp"], {"mlp.up": ColwiseParallel()})
         model(torch.zeros(1, SEQ, dtype=torch.long))
 
-    def export_tp():  # not supported yet: refused, never written with TP-local shapes
-        model = build()
-        parallelize(model, mesh["tp"], sp=False, loss_par=False)
-        fs.export_safetensors(_shard_tiny(model, mesh["dp"]), "/nonexistent/tp.safetensors")
-
     for name, fn in [
-        ("export", export_tp),
         ("overlapping", overlapping),
         ("on_both_dims", on_both_dims),
         ("two_tp_meshes", two_tp_meshes),

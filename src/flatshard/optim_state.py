@@ -9,6 +9,14 @@ parameters are: one all-gather per (flat group, key) into a buffer laid out like
 parameters. Any other state (AdamW's ``step``) is the same on every rank and taken as it is.
 ``load_full_optimizer_state_dict`` is the inverse: rank 0's full tensors are broadcast one flat
 group and key at a time, each rank keeps its fragments' ranges. Peak: one group's full buffer.
+
+With tensor parallelism the layout is ``fs.full_state_dict``'s: a state tensor of a TP
+parameter is its *global* tensor (gathered over tp with ``full_tensor``), held by the first dp
+rank of every tp column; loading takes the model's first rank's global tensors, sends them to
+its tp peers, each cuts its TP-local block (``local_part``) and broadcasts over its dp mesh.
+Saved and loaded tensors are therefore the same whatever the (dp, tp) layout: a state saved
+with TP loads without it and the other way round. State that is not fragment-shaped (AdamW's
+``step``; Adafactor's factors, which are the global matrix's on every rank) is taken as it is.
 """
 
 from __future__ import annotations
@@ -21,8 +29,8 @@ from torch import nn
 
 from .comm.collectives import all_gather_into, broadcast
 from .engine.compile_boundary import plain_name
-from .engine.state import get_state
-from .engine.tensor_parallel import refuse_tp
+from .engine.state import ShardedState, get_state
+from .engine.tensor_parallel import full_tensor, local_part
 from .engine.unit_mesh import refuse_unit_meshes
 
 __all__ = ["full_optimizer_state_dict", "load_full_optimizer_state_dict"]
@@ -42,22 +50,27 @@ def _is_fragment_shaped(value: object, fragment: torch.Tensor) -> bool:
 
 
 def _fragment_keys(
-    optimizer: torch.optim.Optimizer, group, process_group
-) -> tuple[list[str], set[int]]:
-    """State keys shaped like the fragments of ``group``, and the indices of the parameters
-    that have any state: each the union over the shard group (a parameter the optimizer never
-    stepped has no state anywhere, and must get none: it shares the group's buffers only)."""
-    keys, stepped = set(), set()
+    optimizer: torch.optim.Optimizer, group, process_groups: list
+) -> tuple[list[str], set[tuple[int, str]]]:
+    """State keys shaped like the fragments of ``group``, and which parameter (its index)
+    has which of them: each the union over the shard group, then (with TP) over the tp
+    peers, who gather the TP parameters' state together. A parameter gets only its own keys
+    (Adafactor keeps ``variance`` for vectors, factors for matrices; one never stepped has
+    none): the others would be zeros read from the group's buffer."""
+    keys, has = set(), set()
     for index, spec in enumerate(group.specs):
-        state = optimizer.state.get(spec.fragment, {})
-        stepped.update([index] if state else [])
-        keys.update(k for k, v in state.items() if _is_fragment_shaped(v, spec.fragment))
-    if process_group is not None:
+        for key, value in optimizer.state.get(spec.fragment, {}).items():
+            if _is_fragment_shaped(value, spec.fragment):
+                keys.add(key)
+                has.add((index, key))
+    for process_group in process_groups:
+        if process_group is None:
+            continue
         every: list[tuple | None] = [None] * dist.get_world_size(process_group)
-        dist.all_gather_object(every, (sorted(keys), sorted(stepped)), group=process_group)
+        dist.all_gather_object(every, (sorted(keys), sorted(has)), group=process_group)
         keys = set().union(*[set(k) for k, _ in every])
-        stepped = set().union(*[set(s) for _, s in every])
-    return sorted(keys), stepped
+        has = set().union(*[{tuple(h) for h in hs} for _, hs in every])
+    return sorted(keys), has
 
 
 def _groups(model: nn.Module) -> Iterator[tuple[object, object]]:
@@ -68,22 +81,25 @@ def _groups(model: nn.Module) -> Iterator[tuple[object, object]]:
 
 @torch.no_grad()
 def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Rank 0: ``optimizer``'s full state keyed by parameter name; other ranks ``{}``.
-    Every rank must call it (it gathers)."""
-    refuse_tp(get_state(model), "fs.full_optimizer_state_dict")
-    refuse_unit_meshes(get_state(model), "fs.full_optimizer_state_dict")
-    names, timeout = _names(model), get_state(model).timeout
+    """Rank 0: ``optimizer``'s full state keyed by parameter name; other ranks ``{}``
+    (with TP: the first dp rank of every tp column holds it, global tensors, as
+    ``fs.full_state_dict``). Every rank must call it (it gathers)."""
+    state = get_state(model)
+    refuse_unit_meshes(state, "fs.full_optimizer_state_dict")
+    names, timeout, holds = _names(model), state.timeout, state.topology.is_mesh_first
+    tp_group = state.tp.group if state.tp is not None else None
     out: dict[str, dict] = {}
     for unit, group in _groups(model):
-        keys, stepped = _fragment_keys(optimizer, group, unit.process_group)
+        keys, has = _fragment_keys(optimizer, group, [unit.process_group, tp_group])
         for key in keys:
             full = _gather(optimizer, group, key, unit, timeout)
             for index, spec in enumerate(group.specs):
-                if index not in stepped:
+                if (index, key) not in has or not holds:
                     continue
                 view = full[spec.offset : spec.offset + spec.numel].view(spec.shape)
-                out.setdefault(names[id(spec.fragment)], {})[key] = view.to("cpu", copy=True)
-    if not get_state(model).topology.is_mesh_first:
+                whole = full_tensor(view, group.tp[index])  # tp peers (all holders) gather
+                out.setdefault(names[id(spec.fragment)], {})[key] = whole.to("cpu", copy=True)
+    if not holds:
         return {}
     for param, values in optimizer.state.items():
         name = names.get(id(param))
@@ -124,22 +140,27 @@ def load_full_optimizer_state_dict(
     into ``optimizer``'s fragments, and rank 0's hyperparameters into its param groups. Every
     rank must call it; the optimizer must have the saving one's param groups."""
     names = _names(model)
-    refuse_tp(get_state(model), "fs.load_full_optimizer_state_dict")
-    refuse_unit_meshes(get_state(model), "fs.load_full_optimizer_state_dict")
-    mesh = get_state(model).topology
-    is_rank0 = mesh.is_mesh_first
-    saved = osd.get("state", {}) if is_rank0 else {}
-    groups = _from_mesh_first(osd.get("param_groups") if is_rank0 else None, mesh.mesh_group)
+    state = get_state(model)
+    refuse_unit_meshes(state, "fs.load_full_optimizer_state_dict")
+    mesh = state.topology
+    # With TP the source is the model's first rank; its tp peers (the other dp meshes'
+    # first ranks) get each global tensor from it, then broadcast over their own dp mesh.
+    everyone = mesh.mesh_group if state.tp is None else state.tp.model_group
+    is_source = mesh.is_mesh_first and (state.tp is None or state.tp.is_tp_first)
+    saved = osd.get("state", {}) if is_source else {}
+    groups = _from_mesh_first(osd.get("param_groups") if is_source else None, everyone)
     _set_hyperparameters(optimizer, groups)
     for unit, group in _groups(model):
-        keys, others = _from_mesh_first(
-            _plan(saved, group, names) if is_rank0 else None, mesh.mesh_group
-        )
-        for key, dtype in keys:
-            full = _full_buffer(saved, group, key, names, dtype, unit) if is_rank0 else None
+        keys, others = _from_mesh_first(_plan(saved, group, names) if is_source else None, everyone)
+        for key, dtype, holders in keys:
+            pairs = zip(group.specs, group.tp, strict=True)
+            specs = [(s, tp) for s, tp in pairs if names[id(s.fragment)] in holders]
+            full = None
+            if mesh.is_mesh_first:
+                full = _full_buffer(saved, group, key, (names, specs), dtype, unit, state)
             full = _broadcast_full(full, group, dtype, unit, mesh.mesh_group)
             start = group.layout.shard_start
-            for spec in group.specs:
+            for spec, _ in specs:
                 if spec.fragment.requires_grad:
                     piece = full[start + spec.local_start : start + spec.local_end]
                     entry = optimizer.state.setdefault(spec.fragment, {})
@@ -150,7 +171,7 @@ def load_full_optimizer_state_dict(
 
 
 def _from_mesh_first(value, mesh_group: dist.ProcessGroup):
-    """The mesh's first rank's ``value`` (a picklable object) on every rank of the mesh."""
+    """The first rank's ``value`` (a picklable object) on every rank of ``mesh_group``."""
     if dist.get_world_size(mesh_group) == 1:
         return value
     box = [value]
@@ -159,27 +180,47 @@ def _from_mesh_first(value, mesh_group: dist.ProcessGroup):
 
 
 def _plan(saved: dict, group, names: dict[int, str]) -> tuple[list, dict]:
-    """Rank 0: the fragment-shaped keys of ``group`` (with dtypes) and the other entries."""
-    keys: dict[str, torch.dtype] = {}
+    """Rank 0: the fragment-shaped keys of ``group`` (with their dtype and the names of the
+    parameters that have them) and the other entries."""
+    keys: dict[str, tuple[torch.dtype, list[str]]] = {}
     others: dict[str, dict] = {}
-    for spec in group.specs:
+    for spec, tp in zip(group.specs, group.tp, strict=True):
         name = names[id(spec.fragment)]
+        shape = spec.shape if tp is None else tp.shape  # saved state is global
         for key, value in saved.get(name, {}).items():
-            if torch.is_tensor(value) and value.shape == spec.shape and value.dim():
-                keys.setdefault(key, value.dtype)
+            if torch.is_tensor(value) and value.shape == shape and value.dim():
+                keys.setdefault(key, (value.dtype, []))[1].append(name)
             else:
                 others.setdefault(name, {})[key] = value
-    return sorted(keys.items()), others
+    return [(key, dtype, holders) for key, (dtype, holders) in sorted(keys.items())], others
 
 
-def _full_buffer(saved, group, key, names, dtype, unit) -> torch.Tensor:
+def _full_buffer(saved, group, key, where: tuple, dtype, unit, state: ShardedState):
+    """A dp mesh's first rank: ``key``'s flat-group buffer (TP-local blocks with TP), from
+    the source's ``saved``, for the parameters of ``where`` = (names, [(spec, tp)]) that
+    have ``key`` (zeros elsewhere)."""
+    names, specs = where
     world = dist.get_world_size(unit.process_group) if unit.process_group is not None else 1
     full = torch.zeros(world * group.shard_numel, dtype=dtype)
-    for spec in group.specs:
+    for spec, tp in specs:
         value = saved.get(names[id(spec.fragment)], {}).get(key)
+        if state.tp is not None:  # the global tensor from the source to its tp peers
+            value = _from_tp_first(value, spec.shape if tp is None else tp.shape, dtype, state)
+            value = local_part(value, tp)
         if value is not None:
             full[spec.offset : spec.offset + spec.numel].copy_(value.reshape(-1))
     return full
+
+
+def _from_tp_first(value, shape, dtype, state: ShardedState) -> torch.Tensor:
+    """The tp-first rank's ``value`` (global ``shape``; zeros where it is None) on its tp
+    peers, on the compute device for the collective (NCCL broadcasts device tensors)."""
+    if state.tp.is_tp_first and value is not None:
+        tensor = value.to(state.device, dtype).contiguous().clone()
+    else:
+        tensor = torch.zeros(shape, dtype=dtype, device=state.device)
+    broadcast(tensor, 0, state.tp.group, state.stats)
+    return tensor.cpu()
 
 
 def _broadcast_full(full, group, dtype, unit, mesh_group) -> torch.Tensor:

@@ -6,6 +6,10 @@ gathered unit, as in training). From a checkpoint (one process, no process group
 a group of consecutive entries up to ``batch_bytes`` (or one parameter if larger), read through
 DCP from whichever shards hold it. Optimizer state is never read. Tied parameters are written
 under every name (a plain ``load_state_dict`` wants them all), the data read once per name.
+
+With tensor parallelism the file holds global tensors, as ``fs.full_state_dict`` does: the
+first dp rank of every tp column gathers each TP parameter over its tp peers
+(``full_tensor``), the model's first rank (``writes_files``) writes it.
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ import torch
 from torch import nn
 
 from ..engine.masters import master_views
-from ..engine.state import get_state
-from ..engine.tensor_parallel import refuse_tp
+from ..engine.state import ShardedState, get_state
+from ..engine.tensor_parallel import full_tensor
 from ..engine.unit_mesh import refuse_unit_meshes
 from ..params import fragment_tag
 from . import agree
@@ -56,16 +60,30 @@ def unit_keys_of(model: nn.Module, layout: ModelLayout) -> dict[int, list[str]]:
     return keys
 
 
+def writes_files(state: ShardedState) -> bool:
+    """The model's first rank (with TP: the first dp rank of the first tp column)."""
+    return state.topology.is_mesh_first and (state.tp is None or state.tp.is_tp_first)
+
+
+def full_views(unit, group_views) -> dict[int, tuple[torch.Tensor, object]]:
+    """id(fragment) -> (its gathered view, its TPSpec or None) of every parameter of ``unit``
+    (``group_views``: the unit's views by flat group)."""
+    views = {}
+    for group, gathered in zip(unit.groups, group_views, strict=True):
+        for spec, tp, view in zip(group.specs, group.tp, gathered, strict=True):
+            views[id(spec.fragment)] = (view, tp)
+    return views
+
+
 def _export_model(model: nn.Module, out: Path) -> Path | None:
     state = get_state(model)
-    refuse_tp(state, "fs.export_safetensors")
     refuse_unit_meshes(state, "fs.export_safetensors")
     layout = model_layout(model)
     unit_keys = unit_keys_of(model, layout)
     order = [k for unit in state.units for k in unit_keys.get(unit.index, [])]
     order += list(layout.buffers)
     writer, error = None, None
-    if state.topology.is_mesh_first:  # the mesh's first rank writes, as full_state_dict
+    if writes_files(state):  # the model's first rank writes, as full_state_dict
         try:
             writer = StreamingSafetensorsWriter(
                 out, [header_entry(layout, k) for k in order], EXPORT_METADATA
@@ -74,8 +92,9 @@ def _export_model(model: nn.Module, out: Path) -> Path | None:
             error = f"cannot write {out}: {err}"
     for unit in state.units:  # every rank gathers, even after a write error on rank 0
         with master_views(state, unit) as views:  # fp32 masters under mixed precision
-            if writer is not None and error is None:
-                error = _write_unit(writer, unit, views, unit_keys.get(unit.index, []), layout)
+            if state.topology.is_mesh_first:  # with TP, these gather over tp together
+                keys = unit_keys.get(unit.index, [])
+                error = write_unit(writer, error, full_views(unit, views), keys, layout)
     if writer is not None:
         error = error or _finish(writer, layout)
     if error is not None and writer is not None:
@@ -84,17 +103,19 @@ def _export_model(model: nn.Module, out: Path) -> Path | None:
     return out if writer is not None else None
 
 
-def _write_unit(writer, unit, group_views, keys: list[str], layout: ModelLayout) -> str | None:
-    views = {}
-    for group, full_views in zip(unit.groups, group_views, strict=True):
-        for spec, view in zip(group.specs, full_views, strict=True):
-            views[id(spec.fragment)] = view
-    try:
-        for key in keys:
-            writer.write(key, views[id(layout.params[layout.aliases.get(key, key)].fragment)])
-    except OSError as err:
-        return f"writing {writer.out}: {err}"
-    return None
+def write_unit(writer, error, views: dict, keys: list[str], layout: ModelLayout) -> str | None:
+    """A dp mesh's first rank: each of ``keys`` as its global tensor (gathered over tp,
+    whether this rank writes or not), written by the writer while no error occurred."""
+    for key in keys:
+        view, tp = views[id(layout.params[layout.aliases.get(key, key)].fragment)]
+        whole = full_tensor(view, tp)
+        if writer is None or error is not None:
+            continue
+        try:
+            writer.write(key, whole)
+        except OSError as err:
+            error = f"writing {writer.out}: {err}"
+    return error
 
 
 def _finish(writer: StreamingSafetensorsWriter, layout: ModelLayout) -> str | None:

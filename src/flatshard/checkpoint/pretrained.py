@@ -6,7 +6,9 @@ beyond ``max_shard_size``, ``model-0000k-of-0000N.safetensors`` plus
 ``model.safetensors.index.json``; tied weights once (under their first name: transformers ties
 the others again on load), ``__metadata__ = {"format": "pt"}``. The weights stream unit by unit:
 every rank gathers one unit at a time and global rank 0 appends its tensors to the open file,
-so no process holds more than one gathered unit and the file's write buffer.
+so no process holds more than one gathered unit and the file's write buffer. With tensor
+parallelism the weights are global tensors, gathered over tp as ``fs.export_safetensors``
+does, and the model's first rank writes them.
 """
 
 from __future__ import annotations
@@ -21,10 +23,9 @@ from torch import nn
 
 from ..engine.masters import master_views
 from ..engine.state import get_state
-from ..engine.tensor_parallel import refuse_tp
 from ..engine.unit_mesh import refuse_unit_meshes
 from . import agree
-from .exporting import header_entry, unit_keys_of
+from .exporting import full_views, header_entry, unit_keys_of, write_unit, writes_files
 from .layout import model_layout
 from .safetensors_io import StreamingSafetensorsWriter
 
@@ -98,7 +99,8 @@ def save_pretrained(
     model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str = "5GB"
 ) -> Path | None:
     """Write ``model`` (a sharded transformers model) so that ``from_pretrained(path)`` loads
-    it. Every rank must call it; the mesh's first rank writes and gets the path, others ``None``."""
+    it. Every rank must call it; the model's first rank writes and gets the path, others
+    ``None``."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "save_pretrained"):
         raise TypeError(
@@ -107,14 +109,13 @@ def save_pretrained(
         )
     limit = parse_size(max_shard_size)
     state = get_state(model)
-    refuse_tp(state, "fs.save_pretrained")
     refuse_unit_meshes(state, "fs.save_pretrained")
     layout = model_layout(model)
     tied = layout.aliases  # written once, under the first name
     keys = {u: [k for k in ks if k not in tied] for u, ks in unit_keys_of(model, layout).items()}
     order = [k for unit in state.units for k in keys.get(unit.index, [])] + list(layout.buffers)
     out, writer, error = Path(path), None, None
-    if state.topology.is_mesh_first:  # the mesh's first rank writes
+    if writes_files(state):  # the model's first rank writes
         try:
             out.mkdir(parents=True, exist_ok=True)
             writer = _ShardedWriter(out, _files([header_entry(layout, k) for k in order], limit))
@@ -138,20 +139,13 @@ def _write_configs(model: nn.Module, out: Path) -> None:
 
 
 def _stream_units(state, layout, unit_keys, writer, error) -> str | None:
-    """Every rank gathers each unit in turn (even after rank 0 failed); rank 0 writes it."""
+    """Every rank gathers each unit in turn (even after rank 0 failed); rank 0 writes it.
+    With TP the first dp rank of every tp column gathers each TP parameter over tp."""
     for unit in state.units:
         with master_views(state, unit) as group_views:  # fp32 masters under mixed precision
-            if writer is None or error is not None:
-                continue
-            views = {}
-            for group, full_views in zip(unit.groups, group_views, strict=True):
-                for spec, view in zip(group.specs, full_views, strict=True):
-                    views[id(spec.fragment)] = view
-            try:
-                for key in unit_keys.get(unit.index, []):
-                    writer.write(key, views[id(layout.params[key].fragment)])
-            except OSError as err:
-                error = f"writing {writer.out}: {err}"
+            if state.topology.is_mesh_first:
+                views = full_views(unit, group_views)
+                error = write_unit(writer, error, views, unit_keys.get(unit.index, []), layout)
     return error
 
 

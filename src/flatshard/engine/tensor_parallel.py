@@ -250,14 +250,3 @@ def local_part(whole: torch.Tensor, spec: TPSpec | None) -> torch.Tensor:
     from torch.distributed.tensor import distribute_tensor
 
     return distribute_tensor(whole, spec.mesh, spec.placements, src_data_rank=None).to_local()
-
-
-def refuse_tp(state, what: str) -> None:
-    """``NotImplementedError`` naming ``what`` and the supported route, for the parts of the
-    API that do not handle tensor-parallel parameters yet."""
-    if getattr(state, "tp", None) is not None:
-        raise NotImplementedError(
-            f"{what} does not support tensor-parallel (DTensor) parameters yet; use fs.save / "
-            "fs.load (sharded checkpoints across (dp, tp)) or fs.full_state_dict for full "
-            "tensors"
-        )

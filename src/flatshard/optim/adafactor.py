@@ -9,6 +9,10 @@ column factors are kept whole and identical on every rank (torch's shapes and ke
 checkpoints store them as ordinary replicated tensors); 1-D parameters keep a fragment-shaped
 ``variance``. The update is computed twice (once for its norm, once to apply it) rather than
 kept for every parameter: the extra memory is one fragment at a time.
+
+With tensor parallelism the sums are the global matrix's: each rank's are placed at its
+TP-local block's global rows and columns (``tp_stats.py``) and the all-reduces run over dp,
+then over the tp peers; the factors are the global ones, the same on every rank.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from torch.optim.optimizer import ParamsT
 
 from .exchange import all_reduce_sum
 from .factored import Rows, factored_variance, partial_sums, update_factors
+from .tp_stats import block_factors, to_global
 from .whole import WholeParam
 from .whole_optimizer import WholeParamOptimizer
 
@@ -65,11 +70,11 @@ class Adafactor(WholeParamOptimizer):
         items = [self._item(p, g) for p, g in self._with_grads()]
         if not items:
             return loss
-        group, device = items[0].whole.group, items[0].whole.device
+        device = items[0].whole.device
         # The collectives run on the compute device (NCCL reduces device tensors only, and
         # under CPUOffload the gradients live on the host); the state stays where it lives.
         sums = torch.cat([item.local_sums() for item in items]).to(device)
-        all_reduce_sum(sums, group, self._comm)
+        self._reduce(sums, items[0].whole)
         sums = sums.to(items[0].grad.device)
         scalars = sums.tolist() if sums.device.type == "cpu" else sums.cpu().tolist()  # 1 sync
         offset, norms = 0, []
@@ -77,10 +82,15 @@ class Adafactor(WholeParamOptimizer):
             offset = item.advance(sums, scalars, offset)
             norms.append(item.update_square_sum())
         norms_t = torch.stack(norms).to(device)
-        all_reduce_sum(norms_t, group, self._comm)
+        self._reduce(norms_t, items[0].whole)
         for item, norm_sq in zip(items, norms_t.tolist(), strict=True):
             item.apply(norm_sq)
         return loss
+
+    def _reduce(self, sums: torch.Tensor, whole: WholeParam) -> None:
+        """Sum over the shard group, then (with TP) over the tp peers."""
+        all_reduce_sum(sums, whole.group, self._comm)
+        all_reduce_sum(sums, whole.tp_group, self._comm)
 
     def _item(self, p: torch.Tensor, group: dict[str, Any]) -> _Item:
         whole = self._whole_of(p)
@@ -95,7 +105,7 @@ def _init_state(state: dict, whole: WholeParam, grad: torch.Tensor) -> None:
     """torch's state: ``step``, and ``row_var``/``col_var`` in the *full* shape's factor shapes
     (whole on every rank) for a matrix, or a fragment-shaped ``variance`` for a vector."""
     state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
-    shape = whole.shape
+    shape = whole.global_shape  # torch's factors of the global matrix, whole on every rank
     if len(shape) > 1:
         state["row_var"] = grad.new_zeros((*shape[:-1], 1))
         state["col_var"] = grad.new_zeros((*shape[:-2], 1, shape[-1]))
@@ -124,12 +134,15 @@ class _Item:
 
     def local_sums(self) -> torch.Tensor:
         """This fragment's sum of squares of the parameter, then (matrices) its part of the
-        row and column sums of the squared gradient."""
+        global matrix's row and column sums of the squared gradient; zeros on the tp peers
+        that hold a replicated parameter again (``counts_once``)."""
         p = self.whole.param.reshape(-1)
-        param_sq = p.float().square().sum().reshape(1).to(self.grad.dtype)
-        if not self.factored:
-            return param_sq
-        return torch.cat([param_sq, partial_sums(self.grad * self.grad, self.rows)])
+        sums = _wide(p).square().sum().reshape(1).to(self.grad.dtype)
+        if self.factored:
+            rows = self.rows
+            block = torch.cat([sums, partial_sums(self.grad * self.grad, rows)])
+            sums = to_global(block, self.whole, rows.batches * rows.m)
+        return sums if self.whole.counts_once else torch.zeros_like(sums)
 
     def advance(self, sums: torch.Tensor, scalars: list[float], offset: int) -> int:
         """The step count, the step size and the second moment, from the reduced sums at
@@ -141,14 +154,14 @@ class _Item:
         weight = step ** h["beta2_decay"]  # 1 - beta2_t
         lr = float(h["lr"])
         rho = min(lr, 1 / step**0.5)
-        rms = math.sqrt(max(scalars[offset], 0.0)) / self.whole.numel**0.5
+        rms = math.sqrt(max(scalars[offset], 0.0)) / self.whole.global_numel**0.5
         self.alpha = max(h["eps"][1], rms) * rho
         eps1 = h["eps"][0]
         self.eps1 = torch.finfo(self.whole.param.dtype).eps if eps1 is None else eps1
         if not self.factored:
             self.state["variance"].lerp_(self.grad * self.grad, weight)
             return offset + 1
-        rows = self.rows
+        rows = Rows.of(self.whole.global_shape, 0, 0)  # the global matrix's counts
         size = rows.batches * (rows.m + rows.n)
         factors = sums[offset + 1 : offset + 1 + size]
         update_factors(self.state["row_var"], self.state["col_var"], factors, rows, weight)
@@ -158,23 +171,30 @@ class _Item:
         """This fragment's ``grad / sqrt(max(V, eps1^2))`` (flat)."""
         if self.factored:
             s = self.state
-            var = factored_variance(
-                s["row_var"], s["col_var"], self.rows, self.grad.numel(), self.eps1
-            )
+            row, col, mean = block_factors(s["row_var"], s["col_var"], self.whole, self.eps1)
+            var = factored_variance(row, col, mean, self.rows, self.grad.numel())
         else:
             var = self.state["variance"].reshape(-1).clone()
         return var.clamp_(min=self.eps1 * self.eps1).rsqrt_().mul_(self.grad)
 
     def update_square_sum(self) -> torch.Tensor:
-        return self.update().float().square().sum().to(self.grad.dtype)
+        if not self.whole.counts_once:  # a replicated parameter's counts on tp rank 0
+            return self.grad.new_zeros(())
+        return _wide(self.update()).square().sum().to(self.grad.dtype)
 
     def apply(self, update_sq: float) -> None:
         """Decoupled weight decay, then the update clipped to RMS ``d``."""
         p, h = self.whole.param, self.hyper
         if h["weight_decay"] != 0:
             p.mul_(1 - float(h["lr"]) * h["weight_decay"])
-        rms = math.sqrt(max(update_sq, 0.0)) / (self.whole.numel**0.5 * h["d"])
+        rms = math.sqrt(max(update_sq, 0.0)) / (self.whole.global_numel**0.5 * h["d"])
         p.add_(self.update().view(p.shape), alpha=-self.alpha / max(1.0, rms))
+
+
+def _wide(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in at least fp32 for a sum of squares (bf16 would lose it; a float64 model
+    keeps its own precision)."""
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
 
 
 def _check_hyper(lr, beta2_decay: float, eps: tuple, d: float, weight_decay: float) -> None:

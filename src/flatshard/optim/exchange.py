@@ -1,4 +1,5 @@
-"""The collectives of the whole-parameter optimizers: an all-to-all and a small all-reduce.
+"""The collectives of the whole-parameter optimizers: an all-to-all, a small all-reduce and,
+with tensor parallelism, the all-gather of a matrix's TP-local blocks over the tp peers.
 
 Both record themselves on the model's ``CommStats`` (``fs.comm_stats(model)`` counts them;
 debug mode checks them like the engine's) and return a ``PendingWork`` whose wait is bounded.
@@ -11,10 +12,12 @@ import torch
 import torch.distributed as dist
 
 from ..comm.collectives import PendingWork
+from ..engine.tensor_parallel import TPSpec
 from .whole import Comm
 
 ALL_TO_ALL = "optim_all_to_all"
 ALL_REDUCE = "optim_all_reduce"
+ALL_GATHER_TP = "optim_all_gather_tp"
 
 
 def all_to_all(
@@ -44,3 +47,31 @@ def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None, comm: 
     comm.stats.record(ALL_REDUCE, tensor, group, ALL_REDUCE)
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
     PendingWork(work, ALL_REDUCE, (tensor,), label=ALL_REDUCE, group=group).wait(comm.timeout)
+
+
+def gather_over_tp(
+    block: torch.Tensor, spec: TPSpec, group: dist.ProcessGroup, comm: Comm
+) -> torch.Tensor:
+    """Blocking: the global matrix from every tp peer's TP-local ``block`` (every tp peer
+    calls it with its own block); ``block`` itself for a replicated parameter."""
+    dims = [p.dim for p in spec.placements if p.is_shard()]
+    if not dims:
+        return block
+    dim = dims[0] % len(spec.shape)
+    size, world = spec.shape[dim], dist.get_world_size(group)
+    # torch's Shard splits like torch.chunk: every block ``ceil(size / world)`` long but the
+    # last non-empty one, then empty ones. Padded to that length, the blocks concatenate to
+    # the global tensor followed by the padding.
+    chunk = -(-size // world)
+    moved = block.movedim(dim, 0)
+    padded = moved.new_zeros((chunk, *moved.shape[1:]))
+    padded[: moved.shape[0]].copy_(moved)
+    out = moved.new_empty((world * chunk, *moved.shape[1:]))
+    comm.stats.record(ALL_GATHER_TP, padded, group, ALL_GATHER_TP)
+    work = dist.all_gather_into_tensor(out, padded, group=group, async_op=True)
+    PendingWork(work, ALL_GATHER_TP, (out, padded), label=ALL_GATHER_TP, group=group).wait(
+        comm.timeout
+    )
+    # contiguous, as the unsharded parameter is: the bf16 Newton–Schulz matmuls then run on
+    # the same layout as torch's, so they round the same way
+    return out[:size].movedim(0, dim).contiguous()

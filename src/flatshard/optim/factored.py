@@ -75,13 +75,19 @@ def update_factors(
 
 
 def factored_variance(
-    row_var: torch.Tensor, col_var: torch.Tensor, rows: Rows, numel: int, eps1: float
+    row_var: torch.Tensor,
+    col_var: torch.Tensor,
+    row_mean: torch.Tensor,
+    rows: Rows,
+    numel: int,
 ) -> torch.Tensor:
-    """The fragment's elements of torch's ``(row_var @ col_var) / max(mean(row_var), eps1)``."""
+    """The fragment's elements of torch's ``(row_var @ col_var) / row_mean``, ``row_mean``
+    being ``max(mean(row_var), eps1)`` per matrix (``tp_stats.block_factors``: the three cut
+    to the TP-local block the fragment and ``rows`` are of)."""
     if not rows.count:
         return row_var.new_empty(0)
     batch = rows.batch_index(row_var.device)
-    row_mean = row_var.mean(dim=-2, keepdim=True).clamp(min=eps1).reshape(-1)
     r = row_var.reshape(-1)[rows.first : rows.first + rows.count, None]
-    block = (r * col_var.reshape(rows.batches, rows.n)[batch]).div_(row_mean[batch, None])
+    mean = row_mean.reshape(-1)[batch, None]
+    block = (r * col_var.reshape(rows.batches, rows.n)[batch]).div_(mean)
     return rows.unblock(block, numel)

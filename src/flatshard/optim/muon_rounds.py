@@ -7,6 +7,13 @@ Newton–Schulz and the scatter is waited on a round later, so communication ove
 per rank at most four owned matrices are alive at a time (received k and k+1, the update k
 and k-1 in flight), whatever the model's size. The collectives depend only on the shapes and
 on which parameters have a gradient, so every rank issues the same ones in the same order.
+
+With tensor parallelism (see [Note: whole-parameter optimizers]) an owner receives its
+matrix's TP-local block; ``Job.orthogonalize`` all-gathers the blocks over the tp peers (who
+own the same job in the same round), orthogonalises the global matrix and returns this rank's
+block of the update. Each tp peer repeats its column's owner's Newton–Schulz work (tp times
+the arithmetic of the model without TP); spreading the matrices over the tp peers as well
+would take one more exchange per round.
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ from typing import Any
 import torch
 
 from ..comm.collectives import PendingWork
-from .exchange import all_to_all
+from ..engine.tensor_parallel import local_part
+from .exchange import all_to_all, gather_over_tp
 from .newton_schulz import adjusted_lr, ns_cost, orthogonalize
 from .whole import Comm, WholeParam, assign_owners, rounds_of
 
@@ -40,22 +48,28 @@ class Job:
         self.buf.lerp_(self.grad, 1 - momentum)
         return self.grad.lerp(self.buf, momentum) if self.hyper["nesterov"] else self.buf
 
-    def orthogonalize(self, flat: torch.Tensor) -> torch.Tensor:
-        h = self.hyper
-        matrix = flat.view(self.whole.shape)
-        return orthogonalize(matrix, h["ns_coefficients"], h["ns_steps"], h["eps"])
+    def orthogonalize(self, flat: torch.Tensor, comm: Comm) -> torch.Tensor:
+        """The orthogonalised update of the matrix whose (TP-local) block is ``flat``, this
+        block of it. With TP every tp peer must call it for the same job (it gathers)."""
+        h, whole = self.hyper, self.whole
+        matrix = flat.view(whole.shape)
+        if whole.tp is not None:
+            matrix = gather_over_tp(matrix, whole.tp, whole.tp_group, comm)
+        update = orthogonalize(matrix, h["ns_coefficients"], h["ns_steps"], h["eps"])
+        return local_part(update, whole.tp)
 
     def apply(self, update: torch.Tensor) -> None:
         """Decoupled weight decay, then the orthogonalised update (this rank's part of it)."""
         p, h = self.whole.param, self.hyper
         lr = float(h["lr"])
         p.mul_(1 - lr * h["weight_decay"])
-        lr_here = adjusted_lr(lr, h["adjust_lr_fn"], self.whole.shape)
+        lr_here = adjusted_lr(lr, h["adjust_lr_fn"], self.whole.global_shape)
         p.add_(update.reshape(p.shape).to(p.device), alpha=-lr_here)
 
     @property
     def cost(self) -> float:
-        return ns_cost(self.whole.shape, self.hyper["ns_steps"])
+        # the global shape: every tp column must assign the same owners
+        return ns_cost(self.whole.global_shape, self.hyper["ns_steps"])
 
 
 def run_jobs(jobs: list[Job], comm: Comm) -> None:
@@ -63,7 +77,7 @@ def run_jobs(jobs: list[Job], comm: Comm) -> None:
     sharded = [job for job in jobs if job.whole.group is not None]
     for job in jobs:
         if job.whole.group is None:
-            job.apply(job.orthogonalize(job.momentum_update()))
+            job.apply(job.orthogonalize(job.momentum_update(), comm))
     if sharded:
         _run_rounds(sharded, comm)
 
@@ -81,7 +95,7 @@ def _run_rounds(jobs: list[Job], comm: Comm) -> None:
         if k + 1 < len(rounds):  # the next gather runs under this round's Newton–Schulz
             received = _start_gather(jobs, rounds[k + 1], rank, comm, k + 1)
         mine = owners[rank]
-        update = jobs[mine].orthogonalize(full).reshape(-1) if mine is not None else full
+        update = jobs[mine].orthogonalize(full, comm).reshape(-1) if mine is not None else full
         scattered = _start_scatter(jobs, owners, rank, update, comm, k)
         if in_flight is not None:
             _finish_scatter(jobs, *in_flight, comm)

@@ -14,6 +14,19 @@ Every rank builds the same list of ``WholeParam`` in the same order (the optimiz
 groups, skipping parameters without a gradient: flatshard agrees on gradient None-ness across
 ranks), so every rank issues the same collectives in the same order. Under hybrid_shard the
 gradients are identical across replica groups: each shard group does the work on its own.
+
+With tensor parallelism (see [Note: tensor-parallel parameters]) the fragments tile the
+parameter's *TP-local block*, not the matrix: ``shape``, ``start`` and ``splits`` describe the
+block, ``tp`` (its ``TPSpec``) where the block sits in the global matrix. The global matrix is
+spread over the dp ranks *and* the tp peers (``Shard(0)`` rows, ``Shard(1)`` columns) or held
+alike by every tp peer (``Replicate()``; plain parameters of a TP model too). Muon gathers the
+block over dp to its owner as without TP, then the tp peers of that owner (the same dp rank in
+every tp column: owners are assigned from the *global* shapes, so every column makes the same
+plan) all-gather the blocks into the matrix, each orthogonalises it and keeps its own block of
+the update (muon_rounds.py). Adafactor places each block's row/column sums at the block's
+global rows/columns and sums them over tp after dp; a replicated parameter's sums come from tp
+rank 0 only, so they count once (tp_stats.py). Every tp peer runs the same rounds and reduces,
+so the collectives still match.
 """
 
 from __future__ import annotations
@@ -27,7 +40,7 @@ import torch.distributed as dist
 
 from ..comm.collectives import CommStats
 from ..engine.layout import overlap
-from ..engine.tensor_parallel import refuse_tp
+from ..engine.tensor_parallel import TPSpec
 from ..params import fragment_tag
 
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=600)
@@ -52,10 +65,34 @@ class WholeParam:
     """This rank's index in ``group`` (0 without a group)."""
     device: torch.device
     """Where collectives on it run (the model's compute device)."""
+    tp: TPSpec | None = None
+    """A tensor-parallel parameter's ``TPSpec`` (the fields above then describe its TP-local
+    block; ``tp.shape`` is the global matrix), None for a plain one."""
+    tp_group: dist.ProcessGroup | None = None
+    """This rank's tp peers in a tensor-parallel model (None without TP), for plain
+    parameters too: every tp peer holds those whole, so their statistics must count once."""
 
     @property
     def numel(self) -> int:
         return self.shape.numel()
+
+    @property
+    def global_shape(self) -> torch.Size:
+        """The shape of the matrix the optimizer's math is about (the global one with TP)."""
+        return self.shape if self.tp is None else self.tp.shape
+
+    @property
+    def global_numel(self) -> int:
+        return self.global_shape.numel()
+
+    @property
+    def counts_once(self) -> bool:
+        """Whether this rank's statistics of the parameter are summed over tp as they are:
+        without TP, or for a parameter split over tp; a replicated one's (held alike by every
+        tp peer) only on tp rank 0."""
+        if self.tp_group is None or (self.tp is not None and self.tp.is_sharded):
+            return True
+        return dist.get_rank(self.tp_group) == 0
 
     @property
     def end(self) -> int:
@@ -76,8 +113,6 @@ def whole_param(param: torch.Tensor) -> WholeParam:
     state = tag.state() if tag is not None else None
     if tag is None or state is None:
         return WholeParam(param, param.shape, 0, (param.numel(),), None, 0, param.device)
-    if tag.tp is not None:  # its whole would be the TP-local block, not the matrix
-        refuse_tp(state, "whole-parameter optimizers (Muon, Adafactor)")
     flat_group = state.units[tag.unit].groups[tag.group]
     spec = flat_group.specs[tag.index]
     topo = state.topology
@@ -86,9 +121,10 @@ def whole_param(param: torch.Tensor) -> WholeParam:
         for r in range(flat_group.world)
     )
     assert sum(splits) == spec.numel and splits[topo.shard_rank] == param.numel(), splits
+    tp_group = state.tp.group if state.tp is not None else None
     return WholeParam(
         param, tag.full_shape, tag.flat_range[0], splits, topo.shard_group,
-        topo.shard_rank, state.device,
+        topo.shard_rank, state.device, tag.tp, tp_group,
     )  # fmt: skip
 
 
