@@ -136,7 +136,23 @@ def run_routes() -> dict:
     out["ep4_to_ep2_loaded"] = error(back, back_slices, after)
     out.update(full_state_dicts(source, ref))
     out["safetensors_ep4"] = safetensors_into_ep4(root, ref)
+    out["export_ep2"] = exported(root, source, ref)
     return out
+
+
+def exported(root: str, model: torch.nn.Module, ref: torch.nn.Module) -> float:
+    """``fs.export_safetensors`` of the ep 2 model against the reference's state dict (rank 0
+    reads the file; the others report 0.0)."""
+    from safetensors.torch import load_file
+
+    path = f"{root}/export.safetensors"
+    fs.export_safetensors(model, path)
+    if dist.get_rank() != 0:
+        return 0.0
+    written, want = load_file(path), ref.state_dict()
+    if set(written) != set(want):
+        return float("inf")
+    return max(rel_err(written[k], v) for k, v in want.items())
 
 
 def safetensors_into_ep4(root: str, ref: torch.nn.Module) -> float:

@@ -24,6 +24,7 @@ ROUTES = [
     "full_state_dict",  # global expert stacks on rank 0, {} elsewhere
     "load_full_state_dict_ep4",
     "safetensors_ep4",  # weights alone, each rank reading its experts' slices
+    "export_ep2",  # fs.export_safetensors writes the global expert stacks
 ]
 
 

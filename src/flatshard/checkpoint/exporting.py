@@ -23,8 +23,8 @@ from torch import nn
 from ..engine.masters import master_views
 from ..engine.state import ShardedState, get_state
 from ..engine.tensor_parallel import full_tensor
-from ..engine.unit_mesh import refuse_unit_meshes
 from ..params import fragment_tag
+from ..placed_state import gather_placed, has_own_mesh
 from . import agree
 from .layout import ModelLayout, dtype_from_name, model_layout
 from .planner import Item
@@ -77,8 +77,7 @@ def full_views(unit, group_views) -> dict[int, tuple[torch.Tensor, object]]:
 
 def _export_model(model: nn.Module, out: Path) -> Path | None:
     state = get_state(model)
-    refuse_unit_meshes(state, "fs.export_safetensors")
-    layout = model_layout(model)
+    layout = model_layout(model)  # experts without a placement raise here, on every rank
     unit_keys = unit_keys_of(model, layout)
     order = [k for unit in state.units for k in unit_keys.get(unit.index, [])]
     order += list(layout.buffers)
@@ -92,7 +91,10 @@ def _export_model(model: nn.Module, out: Path) -> Path | None:
             error = f"cannot write {out}: {err}"
     for unit in state.units:  # every rank gathers, even after a write error on rank 0
         with master_views(state, unit) as views:  # fp32 masters under mixed precision
-            if state.topology.is_mesh_first:  # with TP, these gather over tp together
+            if has_own_mesh(unit):  # experts: the global stacks, on the model's first rank
+                keys = unit_keys.get(unit.index, [])
+                error = _write_placed(model, state, unit, views, keys, layout, writer, error)
+            elif state.topology.is_mesh_first:  # with TP, these gather over tp together
                 keys = unit_keys.get(unit.index, [])
                 error = write_unit(writer, error, full_views(unit, views), keys, layout)
     if writer is not None:
@@ -113,6 +115,25 @@ def write_unit(writer, error, views: dict, keys: list[str], layout: ModelLayout)
             continue
         try:
             writer.write(key, whole)
+        except OSError as err:
+            error = f"writing {writer.out}: {err}"
+    return error
+
+
+def _write_placed(model, state, unit, views, keys, layout, writer, error) -> str | None:
+    """A unit on its own mesh (experts): every rank sends its blocks, the model's first rank
+    writes each of ``keys`` as the global tensor (see placed_state.py)."""
+    sources = {key: layout.aliases.get(key, key) for key in keys}
+    where = []
+    for source in dict.fromkeys(sources.values()):
+        tag = fragment_tag(layout.params[source].fragment)
+        where.append((source, tag.group, tag.index))
+    wholes = gather_placed(model, state, unit, views, where)
+    for key, source in sources.items():
+        if writer is None or error is not None:
+            break
+        try:
+            writer.write(key, wholes[source])
         except OSError as err:
             error = f"writing {writer.out}: {err}"
     return error

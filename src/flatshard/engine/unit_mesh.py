@@ -25,8 +25,9 @@ while the dense layers are sharded over all of dp.
   slice ``[offset, offset + local size)`` along ``dim`` of a global tensor whose ``dim`` has
   ``size`` elements; ``flatshard.models.moe.Experts`` has one). ``fs.save``/``fs.load`` then
   write and read the global tensors' chunks (an origin, as tensor-parallel blocks have), so an
-  expert-parallel checkpoint loads at another EP degree or without EP. Full state dicts and
-  exports still refuse such models (``refuse_unit_meshes``).
+  expert-parallel checkpoint loads at another EP degree or without EP; full state dicts and
+  safetensors exports assemble the global tensors (placed_state.py). ``fs.save_pretrained``
+  and full optimizer state dicts still refuse such models (``refuse_unit_meshes``).
 """
 
 from __future__ import annotations
