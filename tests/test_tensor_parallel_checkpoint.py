@@ -2,11 +2,12 @@
 ``tp_checkpoint_cases.py``, one world-4 pool job.
 
 A flatshard dp 2 x tp 2 checkpoint (model + SGD momentum) loads exactly into dp 2 x tp 2,
-into plain 1-D flatshard at dp 4, and into torch FSDP2 + TP (``dcp.load`` +
-``set_state_dict``); a torch FSDP2 + TP checkpoint (torchtitan's layout) loads into flatshard
-+ TP; a safetensors file of the full weights loads into flatshard + TP, each rank reading
-its blocks' slices. Each loaded model holds the saved values and its next step lands where
-the saving model's next step does (float64: only rounding may differ, 1e-12).
+into dp 1 x tp 4 (another plan), into plain 1-D flatshard at dp 4, and into torch FSDP2 + TP
+(``dcp.load`` + ``set_state_dict``); a torch FSDP2 + TP checkpoint (torchtitan's layout)
+loads into flatshard + TP; a safetensors file of the full weights loads into flatshard + TP,
+each rank reading its blocks' slices. Each loaded model holds the saved values and its next
+step lands where the saving model's next step does (float64: only rounding may differ,
+1e-12).
 """
 
 from __future__ import annotations
@@ -16,7 +17,14 @@ import pytest
 from tp_checkpoint_cases import run_all
 
 TOLERANCE = 1e-12
-ROUTES = ("flatshard_tp", "flatshard_dp4", "fsdp2_tp", "fsdp2_to_flatshard_tp", "safetensors_tp")
+ROUTES = (
+    "flatshard_dp1_tp4",
+    "flatshard_tp",
+    "flatshard_dp4",
+    "fsdp2_tp",
+    "fsdp2_to_flatshard_tp",
+    "safetensors_tp",
+)
 
 
 @pytest.fixture(scope="module")

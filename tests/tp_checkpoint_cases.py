@@ -166,6 +166,42 @@ def fsdp2_saves_flatshard_loads(root: str) -> tuple[float, float]:
     return _err(loaded, saved), _err(fs.full_state_dict(model), after)
 
 
+def tp4_plan(model: torch.nn.Module, tp_mesh) -> None:
+    """Another TP layout for (dp 1 x tp 4): embedding, head and MLPs split four ways, the
+    attention left whole (2 heads do not split over 4), no sequence parallelism."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    root = {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "head": ColwiseParallel(output_layouts=Replicate()),
+    }
+    parallelize_module(model, tp_mesh, root)
+    for block in model.blocks:
+        mlp = {"mlp.up": ColwiseParallel(use_local_output=False), "mlp.down": RowwiseParallel()}
+        parallelize_module(block, tp_mesh, mlp)
+
+
+def load_into_tp4(root: str, expected: dict) -> tuple[float, float]:
+    """The dp 2 x tp 2 checkpoint into dp 1 x tp 4 with another plan: every TP block is cut
+    differently (and the attention is not split at all); the loaded state and the next step
+    (the whole global batch on the one dp rank) must be the saved model's."""
+    mesh = mesh_of((1, 4), ("dp", "tp"))
+    torch.manual_seed(5)
+    model = _other_init().to(torch.float64)
+    tp4_plan(model, mesh["tp"])
+    fs.shard(model, policy=fs.wrap.by_type(Block), mesh=mesh["dp"])
+    opt = _sgd(model)
+    fs.load(f"{root}/flatshard", model=model, optimizer=opt)
+    loaded = fs.full_state_dict(model)
+    _step(model, opt, 2, 1, 0)
+    return _err(loaded, expected["saved"]), _err(fs.full_state_dict(model), expected["next"])
+
+
 def safetensors_into_tp(root: str, expected: dict) -> tuple[float, float]:
     """Weights alone: the saved full state as one safetensors file (what ``save_pretrained``
     writes), read by ``fs.load`` into a dp 2 x tp 2 model, each rank its TP block's slices
@@ -206,5 +242,6 @@ def run_all(root: str) -> dict:
     out = load_cases(root, copy.deepcopy(expected))
     out["fsdp2_to_flatshard_tp"] = fsdp2_saves_flatshard_loads(root)
     out["safetensors_tp"] = safetensors_into_tp(root, expected)
+    out["flatshard_dp1_tp4"] = load_into_tp4(root, expected)
     out["fragment_info"] = fragment_info_of_tp()
     return out
