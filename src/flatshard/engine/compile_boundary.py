@@ -42,6 +42,27 @@ Parameter names: ``block.compile()`` changes no name. ``torch.compile(block)`` p
 ``plain_name`` removes that component, and the sharded root's state-dict hooks (installed by
 ``register_plain_keys``) give ``model.state_dict()`` — hence ``fs.full_state_dict`` and
 checkpoints — the plain model's keys, and accept them back in ``model.load_state_dict``.
+
+[Note: async tensors at a compiled unit's door]
+A ``ParallelStyle`` redistributes its outputs with ``async_op=True`` and hands them on with
+``to_local()``: an ``AsyncCollectiveTensor`` (ACT), a tensor subclass that waits for its
+collective at first use. An ACT that enters a compiled frame as an *input* loses its
+gradient (torch 2.13, CPU, ``aot_eager``, ``fullgraph`` on or off): the compiled graph gives
+it none. This is torch's, without flatshard: ``torch.compile(f)(x)`` with ``x =
+DTensor.from_local(t, mesh, [Partial()]).redistribute(mesh, [Replicate()],
+async_op=True).to_local()`` does not even require grad. In a per-block-compiled TP
+transformer the first block's input is the rowwise embedding's ACT output: the embedding's
+eager ``Redistribute.backward`` then gets autograd's plain zeros for the missing gradient
+(``'Tensor' object has no attribute '_local_tensor'``; TP alone, no sharding, fails so), and
+FSDP2 + TP compiled the same way trains silently wrong (1e-2 off in float64).
+
+For models with TP parameters flatshard adds one untraced forward pre-hook to each unit
+(``register_settling``; registered at ``fs.shard``, after the plan's own hooks): an ACT
+argument is waited for and replaced by the plain tensor it wraps through ``_Settled``, an
+identity autograd function (no copy; the gradient passes through unchanged, as the ACT's
+would). Eager runs are unchanged: their first op would wait anyway. It covers what enters a
+unit; an ACT made by eager code and fed to a compiled module that is not a unit still loses
+its gradient (compile units, or settle it as ``_settle_inputs`` does).
 """
 
 from __future__ import annotations
@@ -61,6 +82,37 @@ def untraced(fn: F) -> F:
     """``fn`` as a function Dynamo never traces: called from a compiled frame it runs eagerly
     (a graph break there, or none when the frame around it is already skipped)."""
     return torch.compiler.disable(fn, recursive=True)
+
+
+class _Settled(torch.autograd.Function):
+    """An ``AsyncCollectiveTensor`` as the plain tensor it wraps, waited for; differentiable
+    (identity), no copy."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        elem = tensor.trigger_wait()
+        return elem.view_as(elem)  # a fresh tensor object: autograd writes its metadata on it
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad
+
+
+def _settle_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+    """Forward pre-hook: every ``AsyncCollectiveTensor`` among the call's arguments settled."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.utils._pytree import tree_flatten, tree_map_only
+
+    if not any(isinstance(t, AsyncCollectiveTensor) for t in tree_flatten((args, kwargs))[0]):
+        return None
+    return tree_map_only(AsyncCollectiveTensor, _Settled.apply, (args, kwargs))
+
+
+def register_settling(modules: list[nn.Module]) -> list[Any]:
+    """The pre-hook of [Note: async tensors at a compiled unit's door] on each of ``modules``
+    (after their hooks so far: the TP plan's input preparation runs first)."""
+    hook = untraced(_settle_inputs)
+    return [m.register_forward_pre_hook(hook, with_kwargs=True) for m in modules]
 
 
 def is_untraced(fn: Callable[..., Any]) -> bool:

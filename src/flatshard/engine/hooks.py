@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..precision import MixedPrecision, cast_floating
 from . import lazy_root, recompute, saved_views
-from .compile_boundary import register_plain_keys, untraced
+from .compile_boundary import register_plain_keys, register_settling, untraced
 from .recompute import Call, CallKind
 from .state import ShardedState, StateMode
 from .unit import ParamState, Unit
@@ -112,6 +112,8 @@ def register_hooks(state: ShardedState) -> list[Any]:
                 untraced(partial(_post_forward, state, unit)), with_kwargs=True, always_call=True
             )
         )
+    if state.tp is not None:  # see [Note: async tensors at a compiled unit's door]
+        handles += register_settling([unit.module for unit in state.units])
     return handles
 
 
