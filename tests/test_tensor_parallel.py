@@ -28,6 +28,8 @@ CASES = {  # name -> spec (engine and optimizer added per run)
     "sp_no_shard": {"sp": True, "strategy": "no_shard"},
     "sp_checkpoint_reentrant": {"sp": True, "ac": "reentrant"},
     "sp_checkpoint_non_reentrant": {"sp": True, "ac": "non_reentrant"},
+    "sp_checkpoint_wrapper": {"sp": True, "ac": "wrapper"},  # torch's checkpoint_wrapper
+    "sp_checkpoint_fs": {"sp": True, "ac": "fs"},  # fs.checkpoint_activations
     # a tied TP embedding/head in a root big enough for the lazy root (threshold lowered)
     "sp_tied_lazy_root": {"sp": True, "tied": True, "lazy_min_bytes": 0},
     # ffn 11 over tp 2: local blocks of 6 and 5 rows, each split unevenly over dp too

@@ -286,12 +286,21 @@ def train(spec: dict) -> dict:
     ref = ref.to(DTYPES[spec.get("dtype", "float64")])
     model = _meta_copy(ref) if spec.get("meta") else copy.deepcopy(ref)
     parallelize(model, tp_mesh, sp=spec.get("sp", False), loss_par=spec.get("loss_par", False))
-    for block in [*model.blocks, *ref.blocks]:
-        block.checkpointed = spec.get("ac", "")
+    ac = spec.get("ac", "")
+    for block in [*model.blocks, *ref.blocks] if ac in ("reentrant", "non_reentrant") else ():
+        block.checkpointed = ac  # torch.utils.checkpoint inside the block's forward
+    if ac == "wrapper":  # torch's checkpoint_wrapper around each block (torchtitan's route)
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            apply_activation_checkpointing,
+        )
+
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
     if spec.get("compile"):
         for block in model.blocks:
             block.compile(backend="aot_eager", fullgraph=True)
     _shard(model, spec, mesh, dp_mesh)
+    if ac == "fs":  # flatshard's own route, after fs.shard
+        fs.checkpoint_activations(model, fs.wrap.by_type(Block))
     if spec.get("meta"):  # the reference starts where the materialised model does
         _load_everywhere(ref, fs.full_state_dict(model))
     opt, ref_opt = (
