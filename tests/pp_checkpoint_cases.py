@@ -44,12 +44,14 @@ BLOCKS = 4
 class Whole(nn.Module):
     """The whole model; a stage is a copy with some of these set to ``None`` or removed."""
 
-    def __init__(self) -> None:
+    def __init__(self, tied: bool = False) -> None:
         super().__init__()
         self.embed: nn.Module | None = nn.Embedding(VOCAB, DIM)
         self.blocks = nn.ModuleDict({str(i): Block() for i in range(BLOCKS)})
         self.norm: nn.Module | None = nn.LayerNorm(DIM)
-        self.head: nn.Module | None = nn.Linear(DIM, VOCAB)
+        self.head: nn.Module | None = nn.Linear(DIM, VOCAB, bias=not tied)
+        if tied:  # the last stage's cut holds its own copy (fs.tie_across_stages)
+            self.head.weight = self.embed.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
@@ -59,9 +61,9 @@ class Whole(nn.Module):
         return self.head(self.norm(x)) if self.head is not None else x
 
 
-def whole_model(seed: int) -> Whole:
+def whole_model(seed: int, tied: bool = False) -> Whole:
     torch.manual_seed(seed)
-    return Whole().double()
+    return Whole(tied).double()
 
 
 def cut(whole: Whole, stage: int, n_stages: int) -> Whole:
@@ -101,12 +103,12 @@ class Pipeline:
     """This rank's stages of a pp 2 x dp 2 pipeline (x tp 2 with ``mesh``: a ("pp", "dp",
     "tp") mesh), one AdamW per stage."""
 
-    def __init__(self, schedule: str, seed: int, mesh=None) -> None:
+    def __init__(self, schedule: str, seed: int, mesh=None, tied: bool = False) -> None:
         cls, per_rank, style = SCHEDULES[schedule]
         self.pp, self.dp = meshes() if mesh is None else (mesh["pp"], mesh["dp"])
         self.n_stages = 2 * per_rank
         self.ids = stage_ids(self.pp.get_local_rank(), per_rank, style)
-        whole = whole_model(seed)
+        whole = whole_model(seed, tied)
         tp = None if mesh is None else mesh["tp"]
         self.stages = [tensor_parallel(cut(whole, i, self.n_stages), tp) for i in self.ids]
         for stage in self.stages:
@@ -117,6 +119,10 @@ class Pipeline:
         ]
         single = issubclass(cls, torch_schedules.PipelineScheduleSingle)
         self.schedule = cls(pipe[0] if single else pipe, n_microbatches=N_MB, loss_fn=loss_fn)
+        if tied:  # the embedding (first stage) and the head's copy (last) stay one weight
+            fs.tie_across_stages(
+                self.schedule, [{0: "embed.weight", self.n_stages - 1: "head.weight"}]
+            )
         self.opts = [adamw(stage.parameters()) for stage in self.stages]
 
     def step(self, step: int) -> None:
@@ -144,8 +150,8 @@ class DataParallel:
     """The whole model sharded over all 4 ranks (or, with ``mesh``, a ("dp", "tp") mesh: dp
     4 x tp 2), one AdamW with one param group."""
 
-    def __init__(self, seed: int, mesh=None) -> None:
-        self.model = tensor_parallel(whole_model(seed), None if mesh is None else mesh["tp"])
+    def __init__(self, seed: int, mesh=None, tied: bool = False) -> None:
+        self.model = tensor_parallel(whole_model(seed, tied), None if mesh is None else mesh["tp"])
         dp = None if mesh is None else mesh["dp"]
         fs.shard(self.model, policy=fs.wrap.by_type(Block), mesh=dp, timeout_s=TIMEOUT_S)
         self.opt = adamw(self.model.parameters())
@@ -191,25 +197,25 @@ def shared_dir() -> str:
     return box[0]
 
 
-def run_route(schedule: str, meshes3d: tuple | None = None) -> dict:
+def run_route(schedule: str, meshes3d: tuple | None = None, tied: bool = False) -> dict:
     """pp -> dp 4 -> pp, with a step after each load; every error this rank sees. With
     ``meshes3d`` (the ("pp", "dp", "tp") and ("dp", "tp") meshes of world 8), every side is
     tensor-parallel too: pp 2 x dp 2 x tp 2 -> dp 4 x tp 2 -> pp 2 x dp 2 x tp 2."""
     root, out = shared_dir(), {}
     mesh3d, mesh2d = meshes3d or (None, None)
-    pipe = Pipeline(schedule, seed=0, mesh=mesh3d)
+    pipe = Pipeline(schedule, seed=0, mesh=mesh3d, tied=tied)
     for step in range(2):
         pipe.step(step)
     saved = pipe.full_state()
     fs.save(f"{root}/pp", model=pipe.stages, optimizer=pipe.opts, across=pipe.pp)
-    dp4 = DataParallel(seed=1, mesh=mesh2d)
+    dp4 = DataParallel(seed=1, mesh=mesh2d, tied=tied)
     fs.load(f"{root}/pp", model=dp4.model, optimizer=dp4.opt)
     out["pp_to_dp4_loaded"] = max_err(dp4.full_state(), saved)
     pipe.step(2)
     dp4.step(2)
     out["pp_to_dp4_next_step"] = max_err(dp4.full_state(), pipe.full_state())
     fs.save(f"{root}/dp4", model=dp4.model, optimizer=dp4.opt)
-    fresh = Pipeline(schedule, seed=2, mesh=mesh3d)
+    fresh = Pipeline(schedule, seed=2, mesh=mesh3d, tied=tied)
     fs.load(f"{root}/dp4", model=fresh.stages, optimizer=fresh.opts, across=fresh.pp)
     out["dp4_to_pp_loaded"] = max_err(fresh.full_state(), dp4.full_state())
     fresh.step(3)
@@ -222,8 +228,9 @@ def run_routes(schedules: list[str]) -> dict:
     """Every schedule's route in one pool job: schedule -> errors (or the error raised)."""
     out = {}
     for schedule in schedules:
-        try:
-            out[schedule] = run_route(schedule)
+        try:  # "<schedule>-tied": the embedding and the head share one weight
+            name, tied = schedule.removesuffix("-tied"), schedule.endswith("-tied")
+            out[schedule] = run_route(name, tied=tied)
         except Exception as exc:  # reported, not raised: the other ranks may be stuck
             out[schedule] = {"raised": f"{type(exc).__name__}: {exc}"}
             raise

@@ -11,7 +11,9 @@ import pytest
 
 from pp_checkpoint_cases import run_3d_route, run_routes
 
-SCHEDULES = ("1F1B", "Interleaved1F1B")  # one stage per rank; two (two optimizers) per rank
+# one stage per rank; two (two optimizers) per rank; a tied embedding/head (a copy on the
+# last stage, fs.tie_across_stages) <-> a tied model: the head's other name reads its own keys
+SCHEDULES = ("1F1B", "Interleaved1F1B", "1F1B-tied", "ZBVZeroBubble-tied")
 LOADED_TOLERANCE = 0.0  # the load puts back the saved values, bit for bit
 STEP_TOLERANCE = 1e-12  # the next step: the same math in another order (float64)
 

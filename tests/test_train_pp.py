@@ -1,12 +1,14 @@
 """``flatshard train --parallelism.pp 2``: 4 local CPU ranks as 2 pp x 2 dp.
 
 One module fixture launches, on the same global batch (same seed and data order, fp32, no
-dropout, untied head): A pp 2 x dp 2 under 1F1B, 2 steps and a checkpoint (one checkpoint of
-both stages, ``fs.save(across=pp)``), resumed to step 3; C pp 2 x dp 2 under ZBVZeroBubble
-(two stages per rank, V-shaped, split backward); B dp 2 at world 2 (no pipeline); D dp 2
-without a pipeline resumed from A's step-2 checkpoint. Cutting the GPT into stages must not
-change the curve: A's, C's and D's per-step losses, gradient norms, validation losses (and
-A's and C's final text sample) equal B's. The other tests run in this process: the stage cut
+dropout, the default tied embedding/head: the last stage holds a copy kept equal by
+``fs.tie_across_stages``): A pp 2 x dp 2 under 1F1B, 2 steps and a checkpoint (one checkpoint
+of both stages, ``fs.save(across=pp)``), resumed to step 3; C pp 2 x dp 2 under ZBVZeroBubble
+(two stages per rank, V-shaped, split backward); B dp 2 at world 2 (no pipeline, a checkpoint
+at step 2); D dp 2 without a pipeline resumed from A's step-2 checkpoint; E pp 2 x dp 2
+resumed from B's. Cutting the GPT into stages must not change the curve: A's, C's, D's and E's
+per-step losses, gradient norms, validation losses (and A's and C's final text sample) equal
+B's. The other tests run in this process: the stage cut
 against the whole GPT, and the refusals before any worker starts.
 """
 
@@ -24,7 +26,6 @@ import torch
 
 from flatshard.models import GPT, GPTConfig
 from flatshard.packing import collate
-from flatshard.train.checkpointing import supports_across
 from flatshard.train.cli import main, parse_config
 from flatshard.train.pipeline import stage_indices
 from flatshard.train.pipeline_stage import GPTStage, cu_seqlens_from_positions, layer_split
@@ -35,7 +36,6 @@ from fault_common import clean_env, write_inputs  # the shared tiny config, a sm
 TOL = 1e-5  # fp32: the house bar for parity
 RUN = [
     "--model.dropout", "0",  # dropout masks depend on the rank layout: off for parity
-    "--model.tie_embeddings", "false",  # embedding and head live on different stages
     "--model.n_layers", "4",  # 4 stages for ZBV (2 per rank)
     "--data.rows", "4",  # 4 pipeline microbatches of one row
     "--optim.decay_steps", "6",
@@ -62,30 +62,20 @@ def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("train_pp")
     base = [*write_inputs(root), *RUN]
     pp = ["--nproc", "4", "--parallelism.pp", "2"]
-    done, resumable = {}, supports_across()
-    if resumable:  # A: 2 steps and a checkpoint, then resumed to step 3
-        first = _train(*base, *pp, "--steps", "2", *CKPT, "--out", str(root / "a"))
-        assert first.returncode == 0, first.stderr[-3000:]
-        done["a"] = _train(*base, *pp, *CKPT, "--resume", "--out", str(root / "a"))
-    else:
-        done["a"] = _train(*base, *pp, *NO_CKPT, "--out", str(root / "a"))
+    done = {}
+    first = _train(*base, *pp, "--steps", "2", *CKPT, "--out", str(root / "a"))
+    assert first.returncode == 0, first.stderr[-3000:]  # A: 2 steps, a checkpoint, resumed
+    done["a"] = _train(*base, *pp, *CKPT, "--resume", "--out", str(root / "a"))
     done["c"] = _train(*base, *pp, *NO_CKPT, "--parallelism.schedule", "ZBVZeroBubble", "--out",
                        str(root / "c"))  # fmt: skip
-    done["b"] = _train(*base, "--nproc", "2", *NO_CKPT, "--out", str(root / "b"))
-    if resumable:  # D: dp 2 without a pipeline, resumed from A's step-2 checkpoint
-        shutil.copytree(root / "a" / "checkpoints" / "step_000002",
-                        root / "d" / "checkpoints" / "step_000002")  # fmt: skip
-        done["d"] = _train(*base, "--nproc", "2", *CKPT, "--resume", "--out", str(root / "d"))
+    done["b"] = _train(*base, "--nproc", "2", *CKPT, "--out", str(root / "b"))
+    for source, target, layout in (("a", "d", ["--nproc", "2"]), ("b", "e", pp)):
+        shutil.copytree(root / source / "checkpoints" / "step_000002",
+                        root / target / "checkpoints" / "step_000002")  # fmt: skip
+        done[target] = _train(*base, *layout, *CKPT, "--resume", "--out", str(root / target))
     for name, proc in done.items():
         assert proc.returncode == 0, (name, proc.stderr[-3000:])
-    out = {name: (proc.stdout, _rows(root / name)) for name, proc in done.items()}
-    return out | {"resumable": resumable}
-
-
-def _need_resume(runs: dict) -> None:
-    if not runs["resumable"]:
-        pytest.skip("fs.save has no across= (one checkpoint of all pipeline stages) in this "
-                    "tree; the trainer refuses pipeline checkpoints until it has")  # fmt: skip
+    return {name: (proc.stdout, _rows(root / name)) for name, proc in done.items()}
 
 
 def _sample(stdout: str) -> str:
@@ -110,17 +100,17 @@ def test_pipeline_equals_the_unpipelined_run_step_for_step(runs, name):
 
 @pytest.mark.slow
 def test_pipeline_resume_continues_the_same_curve(runs):
-    _need_resume(runs)
     out, rows = runs["a"]
     assert "resumed from" in out and "step_000002" in out
     assert [r["step"] for r in rows] == [1, 2, 3]  # the curve up to the checkpoint, then on
 
 
 @pytest.mark.slow
-def test_a_pipeline_checkpoint_resumes_without_the_pipeline(runs):
-    """One checkpoint of both stages, whole-model names: a dp 2 run without pp continues it."""
-    _need_resume(runs)
-    out, rows = runs["d"]
+@pytest.mark.parametrize("name", ["d", "e"])
+def test_a_checkpoint_resumes_with_or_without_the_pipeline(runs, name):
+    """One checkpoint of both stages, whole-model names: a dp 2 run without pp continues A's
+    (D), and a pp 2 x dp 2 run continues B's (E): the tied head's copy reads its own keys."""
+    out, rows = runs[name]
     assert "resumed from" in out
     step3 = next(r for r in rows if r["step"] == 3)
     want = runs["b"][1][2]
@@ -150,10 +140,14 @@ def test_stages_chained_equal_the_whole_gpt_and_keep_its_names():
     assert longest == int((b.cu_seqlens[1:] - b.cu_seqlens[:-1]).max())
 
 
-def test_a_tied_gpt_cannot_be_cut():
+def test_a_tied_gpt_cut_gives_the_last_stage_an_equal_copy():
     model = GPT(GPTConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, max_seq_len=16))
-    with pytest.raises(ValueError, match="tie_embeddings"):
-        GPTStage(model, range(1), first=True, last=False)
+    first = GPTStage(model, range(1), first=True, last=False)
+    last = GPTStage(model, range(1, 2), first=False, last=True)
+    assert last.lm_head.weight is not first.tok_emb.weight  # one copy per stage
+    assert torch.equal(last.lm_head.weight, first.tok_emb.weight)
+    both = GPTStage(model, range(2), first=True, last=True)  # one stage: still one weight
+    assert both.lm_head.weight is both.tok_emb.weight
 
 
 def test_stage_placement_looped_and_v():
@@ -170,8 +164,7 @@ def test_pipeline_options_parse():
         parse_config(["--parallelism.schedule", "Zigzag"])
 
 
-PP = ["--nproc", "4", "--parallelism.pp", "2", "--model.tie_embeddings", "false",
-      "--checkpoint.enabled", "false"]  # fmt: skip
+PP = ["--nproc", "4", "--parallelism.pp", "2", "--checkpoint.enabled", "false"]
 
 
 @pytest.mark.parametrize(
@@ -179,8 +172,6 @@ PP = ["--nproc", "4", "--parallelism.pp", "2", "--model.tie_embeddings", "false"
     [
         (["--nproc", "4", "--parallelism.pp", "3"],
          "parallel.pp=3 does not divide the world size 4"),
-        (["--nproc", "4", "--parallelism.pp", "2", "--checkpoint.enabled", "false"],
-         "model.tie_embeddings=true"),
         ([*PP, "--data.rows", "3", "--parallelism.microbatches", "2"],
          "parallel.microbatches=2 does not divide the 3 rows"),
         ([*PP, "--data.rows", "1"], "parallel.microbatches=1 is fewer than schedule 1F1B needs"),

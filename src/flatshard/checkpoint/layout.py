@@ -158,20 +158,25 @@ def optimizer_entries(
     names = optimizer_params(optimizer, layout)
     items: dict[str, Item] = {}
     state_desc: dict[str, dict] = {}
+    aliases_of: dict[str, list[str]] = {}
+    for alias, source in layout.aliases.items():
+        aliases_of.setdefault(source, []).append(alias)
     for group, group_names in zip(optimizer.param_groups, names, strict=True):
         for p, name in zip(group["params"], group_names, strict=True):
             info = layout.params[name]
             entries = {}
             for key, value in optimizer.state.get(p, {}).items():
-                fqn = optim_key(name, key)
+                # under every name of a tied parameter, as model_items does: a stage holding
+                # only the other name (lm_head of a pipeline's last stage) reads its own key
+                fqns = [optim_key(n, key) for n in (name, *aliases_of.get(name, ()))]
                 if isinstance(value, torch.Tensor) and value.shape == p.shape:
-                    items[fqn] = info.item(value.detach())
+                    items.update(dict.fromkeys(fqns, info.item(value.detach())))
                     entries[key] = {"kind": "sharded"}
                 elif isinstance(value, torch.Tensor):
-                    items[fqn] = value.detach()
+                    items.update(dict.fromkeys(fqns, value.detach()))
                     entries[key] = {"kind": "tensor"}
                 else:
-                    entries[key] = {"kind": "value", "value": jsonable.encode(value, fqn)}
+                    entries[key] = {"kind": "value", "value": jsonable.encode(value, fqns[0])}
             if entries:
                 state_desc[name] = entries
     param_groups = [

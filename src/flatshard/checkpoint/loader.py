@@ -40,7 +40,7 @@ def _problem(
         problem = restore.model_problem(desc["model"], layout, opened.metadata, strict, covered)
         for optimizer in optimizers:
             if problem is None:
-                optim_desc = desc.get("optimizer")
+                optim_desc = _optimizer_description(desc)
                 problem = restore.optimizer_problem(optim_desc, optimizer, layout, by_param)
     except (KeyError, TypeError, AttributeError) as err:
         return f"{opened.path / commit.DESCRIPTION} is malformed ({err!r})"
@@ -109,7 +109,8 @@ def load(
 def _read_into(opened: Opened, layout: ModelLayout, optimizers: list, group, by_param) -> dict:
     """Read the model's and each optimizer's tensors in one DCP load; returns ``extra``."""
     targets = restore.model_targets(layout)
-    optim_desc = {**(opened.description["optimizer"] or {}), "version": opened.version}
+    optim_desc = {**(_optimizer_description(opened.description) or {}), "version": opened.version}
+    by_param = by_param or bool(optim_desc.get("by_param"))  # saved by pipeline stages
     states = []
     for optimizer in optimizers:
         names = {n for g in optimizer_params(optimizer, layout) for n in g} if by_param else None
@@ -120,9 +121,17 @@ def _read_into(opened: Opened, layout: ModelLayout, optimizers: list, group, by_
         states.append(optim_state)
     read_tensors(opened, targets, group)
     for optimizer, optim_state in zip(optimizers, states, strict=True):
-        desc = opened.description["optimizer"]
-        restore.load_optimizer(optimizer, desc, layout, optim_state, by_param)
+        restore.load_optimizer(optimizer, optim_desc, layout, optim_state, by_param)
     return jsonable.decode(opened.description.get("extra", {}))
+
+
+def _optimizer_description(description: dict) -> dict | None:
+    """The checkpoint's optimizer description with the model's tied-name aliases (a stage may
+    hold a tied parameter under its other name: see restore.saved_state_name)."""
+    optimizer = description.get("optimizer")
+    if optimizer is None:
+        return None
+    return {**optimizer, "aliases": description["model"].get("aliases", {})}
 
 
 def _is_other_dir(path: Path) -> bool:

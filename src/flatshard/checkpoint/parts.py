@@ -21,6 +21,10 @@ whole model:
   flattened keys, ``optimizer.param_groups.<name>.<hyper>``, which never collide across stages.
 * **Loading** with ``across`` checks the checkpoint against the names of every stage of the
   pipeline (an entry no stage holds is "unexpected"); each rank reads its stages' pieces.
+* **Tied weights** (an embedding on the first stage, its copy as the head on the last, see
+  pipeline_tied.py): a tied model writes the weight and its optimizer state under every name
+  (layout.py), so the last stage reads ``head.weight`` from its own keys; a tied model reading
+  a pipeline's checkpoint takes the first name and treats the other as its alias.
 
 So ``fs.save`` at pp 2 x dp 2 loads at dp 4 without a pipeline (``fs.load(path, model=m)``),
 and a dp 4 checkpoint loads into pp 2 x dp 2 stages, at any world size and wrap plan.

@@ -31,10 +31,13 @@ def model_problem(
     ``covered``: the names every stage of a pipeline holds (an entry is unexpected only if no
     stage holds it); ``None``: ``layout`` is the whole model."""
     saved = {**desc["params"], **desc["buffers"]}
+    for alias, source in desc.get("aliases", {}).items():  # written under every tied name
+        saved.setdefault(alias, saved.get(source))
     current = {n: list(p.shape) for n, p in layout.params.items()}
     current.update({n: list(b.shape) for n, b in layout.buffers.items()})
-    missing = [n for n in current if n not in saved]
-    unexpected = [n for n in saved if n not in (current if covered is None else covered)]
+    missing = [n for n in current if saved.get(n) is None]
+    held = set(current if covered is None else covered) | set(layout.aliases)
+    unexpected = [n for n in saved if n not in held]
     if missing or (strict and unexpected):
         return (
             f"checkpoint does not match the model: missing {missing[:5]}, unexpected "
@@ -81,12 +84,26 @@ def optimizer_problem(
 
 
 def saved_hyper(desc: dict) -> dict[str, str]:
-    """Each saved parameter's group hyperparameters (as JSON text, comparable)."""
-    return {
+    """Each saved parameter's group hyperparameters (as JSON text, comparable), also under
+    the other names of a tied parameter (``desc["aliases"]``, from the model's description)."""
+    hyper = {
         name: json.dumps(group["hyper"], sort_keys=True)
         for group in desc["param_groups"]
         for name in group["params"]
     }
+    for alias, source in desc.get("aliases", {}).items():
+        if source in hyper:
+            hyper.setdefault(alias, hyper[source])
+    return hyper
+
+
+def saved_state_name(name: str, desc: dict) -> str | None:
+    """The name ``name``'s optimizer state was saved under: its own, or (a tied parameter's
+    other name) its source's; ``None`` if it has none."""
+    if name in desc["state"]:
+        return name
+    source = desc.get("aliases", {}).get(name)
+    return source if source in desc["state"] else None
 
 
 def _group_by_param_problem(desc: dict, names: list[list[str]]) -> str | None:
@@ -115,9 +132,12 @@ def optimizer_targets(
     targets: dict[str, Item] = {}
     state: dict[str, dict] = {}
     version = desc.get("version", 2)  # set by optimizer_targets' caller from the description
-    for name, entries in desc["state"].items():
-        if names is not None and name not in names:
-            continue  # another part's (or another stage's) parameter
+    wanted = desc["state"] if names is None else sorted(names)  # a stage: its own parameters
+    for name in wanted:
+        source = saved_state_name(name, desc)
+        if source is None:
+            continue  # never stepped when saved
+        entries = desc["state"][source]
         info = layout.params[name]
         state[name] = {}
         for key, entry in entries.items():

@@ -34,7 +34,6 @@ __all__ = [
     "refuse_to_mix",
     "rng_state",
     "set_rng_state",
-    "supports_across",
 ]
 
 _NAME = re.compile(r"^step_(\d+)$")
@@ -126,10 +125,10 @@ class CheckpointManager:
         path = self.path(step)
         if self.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
-        more = {} if across is None else {"across": across}
         handle = save(
-            path, model=model, optimizer=optimizer, extra=extra, async_=self.async_save, **more
-        )
+            path, model=model, optimizer=optimizer, extra=extra, async_=self.async_save,
+            across=across,
+        )  # fmt: skip
         if self.async_save:
             self._pending = handle
         self._prune()
@@ -161,13 +160,4 @@ class CheckpointManager:
         """Load the tensors of ``path`` into ``model``/``optimizer`` (lists and ``across`` as
         for :meth:`save`); returns ``extra``."""
         _, load, _ = _api()
-        more = {} if across is None else {"across": across}
-        return load(path, model=model, optimizer=optimizer, **more)
-
-
-def supports_across() -> bool:
-    """Whether this flatshard's ``fs.save`` writes one checkpoint of several pipeline stages
-    (``across=``): pipeline runs need it for checkpoints."""
-    import inspect
-
-    return "across" in inspect.signature(_api()[0]).parameters
+        return load(path, model=model, optimizer=optimizer, across=across)

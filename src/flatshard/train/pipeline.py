@@ -33,7 +33,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from flatshard.train.checkpointing import supports_across
 from flatshard.train.config import TrainConfig
 
 __all__ = [
@@ -89,12 +88,6 @@ def _layout_errors(cfg: TrainConfig, world: int) -> str | None:
     if p.strategy == "hybrid_shard":
         return ("parallel.strategy='hybrid_shard' cannot be combined with parallel.pp yet "
                 "(each stage is sharded over its 1-D dp mesh); pass full_shard")  # fmt: skip
-    if cfg.checkpoint.enabled and not supports_across():
-        return ("checkpoints of a pipeline run need fs.save(..., across=mesh['pp']), which "
-                "this flatshard does not have yet; pass --checkpoint.enabled false")  # fmt: skip
-    if cfg.model.tie_embeddings:
-        return ("model.tie_embeddings=true: the embedding (first stage) and the head (last "
-                "stage) cannot share one matrix; pass --model.tie_embeddings false")  # fmt: skip
     if (p.schedule in SINGLE and v != 1) or (p.schedule in V_SHAPED and v != 2):
         need = 1 if p.schedule in SINGLE else 2
         return (f"parallel.stages_per_rank={v}: schedule {p.schedule} holds exactly {need} "

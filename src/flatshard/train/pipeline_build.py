@@ -86,10 +86,13 @@ def build_pipeline(cfg: TrainConfig, rank: int, world: int, device: torch.device
         PipelineStage(m, s, n, device, group=group) for m, s in zip(modules, indices, strict=True)
     ]
     loss = StepLoss(world // pp)
+    schedule = _schedule(cfg, pipe_stages, loss)
+    if cfg.model.tie_embeddings and n > 1:  # see [Note: whole-model names on every stage]
+        fs.tie_across_stages(schedule, [{0: "tok_emb.weight", n - 1: "lm_head.weight"}])
     return Pipeline(
         mesh=mesh,
         stages=modules,
-        schedule=_schedule(cfg, pipe_stages, loss),
+        schedule=schedule,
         loss=loss,
         first=0 in indices,
         last=n - 1 in indices,

@@ -15,6 +15,12 @@ arguments into microbatches and hand them to each stage). Each stage derives the
 every padding segment, see ``flatshard.packing.collate``), so attention never crosses a
 document boundary, as in the unpipelined trainer.
 
+Tied embeddings: the first stage holds ``tok_emb.weight``, the last a copy of it as
+``lm_head.weight`` (equal values); ``build_pipeline`` declares the pair with
+``fs.tie_across_stages``, which sums their gradients every step (both names are in the
+checkpoint; a tied unpipelined model reads ``tok_emb.weight`` and treats the other as its
+alias).
+
 The split of blocks: ``n_layers`` over ``n_stages`` as evenly as possible, the first stages
 taking one more when it does not divide (the first and last also hold the embedding and head).
 """
@@ -64,12 +70,6 @@ class GPTStage(nn.Module):
 
     def __init__(self, model: GPT, layers: range, *, first: bool, last: bool) -> None:
         super().__init__()
-        if model.config.tie_embeddings and first != last:
-            raise ValueError(
-                "a GPT with tie_embeddings=True cannot be cut into pipeline stages: its "
-                "embedding (first stage) and head (last stage) are one matrix; pass "
-                "--model.tie_embeddings false"
-            )
         self.config = model.config
         self.tok_emb = model.tok_emb if first else None
         self.rope = copy.deepcopy(model.rope)  # buffers only: every stage needs the tables
@@ -77,6 +77,10 @@ class GPTStage(nn.Module):
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layers})
         self.norm = model.norm if last else None
         self.lm_head = model.lm_head if last else None
+        if last and not first and model.config.tie_embeddings:
+            # the head's own copy of the tied matrix (equal values): the first stage holds the
+            # embedding; fs.tie_across_stages keeps the two one parameter while training
+            self.lm_head = copy.deepcopy(model.lm_head)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """``x``: ids ``[B, T]`` (first stage) or hidden ``[B, T, C]``; returns hidden
