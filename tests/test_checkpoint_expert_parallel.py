@@ -10,6 +10,10 @@ import pytest
 
 from ep_checkpoint_cases import run_routes
 
+# a world-4 job of 8 routes (~1 min): run in .ci/run's slow pass,
+# which keeps the README command within its ~12 min budget
+pytestmark = pytest.mark.slow
+
 TOLERANCE = 1e-12  # float64: the ep 2 training itself is exact to ~1e-16
 
 ROUTES = [

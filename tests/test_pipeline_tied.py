@@ -21,6 +21,10 @@ import pytest
 from pipeline_cases import TOLERANCE, case_ready
 from pipeline_tied_cases import case_errors, case_tied, merge
 
+# world-4 pipeline jobs (~1 min): run in .ci/run's slow pass,
+# which keeps the README command within its ~12 min budget
+pytestmark = pytest.mark.slow
+
 CASES = [  # (schedule, microbatches, optimizer)
     ("1F1B", 2, "sgd"),
     ("1F1B", 4, "adamw"),

@@ -19,6 +19,10 @@ import pytest
 
 from tp_compile_cases import async_probe, run_specs
 
+# world-4 compile jobs (~1.5 min): run in .ci/run's slow pass,
+# which keeps the README command within its ~12 min budget
+pytestmark = pytest.mark.slow
+
 TOLERANCE = 1e-12  # float64, as tests/test_tensor_parallel.py
 CASES = {  # name -> spec (engine added per run)
     "tp_before": {"sp": False, "how": "before"},

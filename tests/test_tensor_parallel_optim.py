@@ -21,6 +21,10 @@ import pytest
 
 from tp_optim_cases import run_all
 
+# world-4 optimizer jobs (~1 min): run in .ci/run's slow pass,
+# which keeps the README command within its ~12 min budget
+pytestmark = pytest.mark.slow
+
 TOL = 1e-10
 TRAIN = {  # name -> spec: Muon / Adafactor on dp 2 x tp 2
     "muon_tp": dict(optim="muon", sp=False),
