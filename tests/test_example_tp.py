@@ -4,8 +4,8 @@ The example must exit 0 and print one finite loss per step, and the losses must 
 process training the same GPT on the global batch (the dp ranks' rows together): that holds only
 if every rank of a tp group got the same rows, i.e. the data is split by the dp rank. Printed
 with 4 decimals, so compared to 2e-4. One torchrun launch per case, ~15 s each on the 2-core box
-(most of it start-up): the default recipe is in the normal suite, ``--loss-parallel`` is
-slow-marked (``FLATSHARD_SLOW=1``).
+(most of it start-up): both are slow-marked (``FLATSHARD_SLOW=1``, run by ``.ci/run``'s slow
+pass); TP parity itself is in the README's command (test_tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -81,7 +81,9 @@ def _run(extra: list[str]) -> list[float]:
 LOSS_PARALLEL = pytest.param(["--loss-parallel"], id="sp_loss_parallel", marks=pytest.mark.slow)
 
 
-@pytest.mark.parametrize("extra", [pytest.param([], id="sp"), LOSS_PARALLEL])
+@pytest.mark.parametrize(
+    "extra", [pytest.param([], id="sp", marks=pytest.mark.slow), LOSS_PARALLEL]
+)
 def test_example_trains_like_one_process(extra):
     losses = _run(extra)
     assert len(losses) == TINY["steps"], losses

@@ -134,6 +134,8 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     }
 
 
+# The module's two Lightning launches (world 4 and 2) cost ~30 s: .ci/run's slow pass.
+@pytest.mark.slow
 def test_tp2_trains_and_equals_tp1_on_the_same_global_batches(runs):
     for rank, res in enumerate(runs["tp2"]):
         losses, ref = res["losses"], runs["tp1"][rank // 2]["losses"]
@@ -144,6 +146,7 @@ def test_tp2_trains_and_equals_tp1_on_the_same_global_batches(runs):
     assert runs["tp1"][0]["losses"] != runs["tp1"][1]["losses"]  # each dp rank its own data
 
 
+@pytest.mark.slow
 def test_mesh_sampler_and_plan(runs):
     for rank, res in enumerate(runs["tp2"]):
         assert res["mesh"] == [["dp", "tp"], [2, 2]]  # LightningModule.device_mesh

@@ -43,6 +43,7 @@ def test_a_killed_worker_ends_the_job_quickly_and_clearly(inputs):
     assert r["orphans"] == [], r
 
 
+@pytest.mark.slow  # ~25 s (a reference run and a killed one): .ci/run's slow pass
 def test_a_restarted_run_resumes_and_ends_identical(inputs):
     root, args = inputs
     options = argparse.Namespace(nproc=2, steps=30, seed=1)

@@ -83,6 +83,8 @@ def runs(tmp_path_factory) -> dict:
     return results
 
 
+# The module's three training launches cost ~40 s: .ci/run's slow pass runs them.
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen2", "gpt2"])
 def test_pretraining_from_a_config_lowers_the_loss(runs, name):
     out, losses, stdout = runs[name]
@@ -96,6 +98,7 @@ def test_pretraining_from_a_config_lowers_the_loss(runs, name):
     assert (out / "hf" / "tokenizer.json").is_file() == (name == "qwen2")
 
 
+@pytest.mark.slow
 def test_finetuning_starts_from_the_saved_weights(runs):
     _, pretrain, _ = runs["qwen2"]
     _, tuned, _ = runs["finetune"]
