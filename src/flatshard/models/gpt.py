@@ -22,6 +22,8 @@ steps, so eager and meta-first construction draw the same random numbers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,23 +33,24 @@ from flatshard.models.config import PRESETS, GPTConfig
 from flatshard.models.rope import RotaryEmbedding, positions_from_cu_seqlens
 from flatshard.models.sampling import generate as _generate
 
-__all__ = ["GPT", "PRESETS", "Block", "GPTConfig"]
+__all__ = ["GPT", "PRESETS", "Block", "Decoder", "GPTConfig"]
 
 
-class GPT(nn.Module):
-    """Decoder-only transformer over token ids; see the module docstring for structure and init."""
+class Decoder(nn.Module):
+    """What :class:`GPT` and ``MoEGPT`` share: the embedding, RoPE, a stack of ``n_layers``
+    blocks made by ``make_block()``, the final norm and the (tied) head; meta-first init, the
+    positions of padded and packed batches, and the loss. Subclasses choose the block and
+    ``training_loss``."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, make_block: Callable[[], nn.Module]) -> None:
         super().__init__()
-        if not isinstance(config, GPTConfig):
-            raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
         self.config = config
         target = torch.empty(0).device  # the default device (possibly set by `with torch.device`)
         with torch.device("meta"):  # build without allocating or drawing random numbers
             self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
             self.rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta)
             self.drop = nn.Dropout(config.dropout)
-            self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+            self.layers = nn.ModuleList(make_block() for _ in range(config.n_layers))
             self.norm = make_norm(config)
             self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.tie_weights()
@@ -120,8 +123,12 @@ class GPT(nn.Module):
         if squeeze:
             logits = logits.squeeze(0)  # [N, V]
         if labels is not None:
-            return self.loss(logits, labels)  # scalar
+            return self.training_loss(logits, labels)  # scalar
         return logits
+
+    def training_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """What ``forward(..., labels=...)`` returns: the mean cross-entropy."""
+        return self.loss(logits, labels)
 
     def _positions(
         self,
@@ -178,6 +185,15 @@ class GPT(nn.Module):
                 "loss_parallel=True)); compute the loss and run its backward inside "
                 "`with torch.distributed.tensor.parallel.loss_parallel():`"
             ) from error
+
+
+class GPT(Decoder):
+    """Decoder-only transformer over token ids; see the module docstring for structure and init."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"config must be a GPTConfig, got {type(config).__name__}")
+        super().__init__(config, lambda: Block(config))
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Parameter count (tied weights once); see :meth:`GPTConfig.num_params`."""

@@ -47,9 +47,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from flatshard.models.block import Attention, make_norm
 from flatshard.models.config import GPTConfig
-from flatshard.models.gpt import GPT
+from flatshard.models.gpt import Decoder
 from flatshard.models.moe_dispatch import as_process_group, combine, dispatch, local_expert_range
-from flatshard.models.rope import RotaryEmbedding, positions_from_cu_seqlens
 
 __all__ = [
     "MOE_PRESETS",
@@ -299,76 +298,16 @@ class MoEBlock(nn.Module):
         self.moe.experts.reset_parameters(std, out_std)
 
 
-class MoEGPT(nn.Module):
+class MoEGPT(Decoder):
     """Decoder-only MoE transformer; see the module docstring for structure, EP and the loss."""
 
-    loss = staticmethod(GPT.loss)
-
     def __init__(self, config: MoEConfig, ep_group: EpGroup | None = None) -> None:
-        super().__init__()
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
-        self.config = config
-        target = torch.empty(0).device  # the default device (possibly set by `with torch.device`)
-        with torch.device("meta"):  # build first, then draw numbers in one fixed order
-            self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
-            self.rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta)
-            self.drop = nn.Dropout(config.dropout)
-            blocks = (MoEBlock(config, ep_group) for _ in range(config.n_layers))
-            self.layers = nn.ModuleList(blocks)
-            self.norm = make_norm(config)
-            self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        self.tie_weights()
-        if target.type != "meta":
-            self.to_empty(device=target)
-            self.reset_parameters()
+        super().__init__(config, lambda: MoEBlock(config, ep_group))
 
-    def tie_weights(self) -> None:
-        """Share ``lm_head.weight`` with ``tok_emb.weight`` when configured (see GPT)."""
-        if self.config.tie_embeddings and self.lm_head.weight is not self.tok_emb.weight:
-            self.lm_head.weight = self.tok_emb.weight
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """Re-initialise from the torch RNG: embedding, each block, final norm, untied head."""
-        self.tie_weights()
-        nn.init.normal_(self.tok_emb.weight, mean=0.0, std=self.config.init_std)
-        for layer in self.layers:
-            layer.reset_parameters()
-        self.norm.reset_parameters()
-        if not self.config.tie_embeddings:
-            nn.init.normal_(self.lm_head.weight, mean=0.0, std=self.config.init_std)
-        self.rope.reset_parameters()
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | None = None,
-        max_seqlen: int | None = None,
-        labels: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Logits ``[B, T, V]`` for ``input_ids [B, T]``; with ``labels`` the training loss
-        (mean cross-entropy + ``aux_loss_coef`` * :attr:`aux_loss`). Arguments as for GPT."""
-        B, T = input_ids.shape
-        if position_ids is None and cu_seqlens is not None:
-            position_ids = positions_from_cu_seqlens(cu_seqlens, B * T).view(B, T)
-        elif position_ids is None:
-            if self.config.max_seq_len < T:
-                raise ValueError(
-                    f"sequence length {T} exceeds max_seq_len={self.config.max_seq_len}; use "
-                    "shorter sequences or a config with a larger max_seq_len"
-                )
-            position_ids = torch.arange(T, device=input_ids.device).unsqueeze(0)  # [1, T]
-        cos, sin = self.rope(position_ids.reshape(-1, T))  # [B|1, T, 1, D/2] each
-        if cu_seqlens is not None and max_seqlen is None:  # one host sync, not one per layer
-            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        x = self.drop(self.tok_emb(input_ids))  # [B, T, C]
-        for layer in self.layers:
-            x = layer(x, cos, sin, cu_seqlens, max_seqlen)  # [B, T, C]
-        logits = self.lm_head(self.norm(x))  # [B, T, V]
-        if labels is None:
-            return logits
+    def training_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy + ``aux_loss_coef`` * :attr:`aux_loss`."""
         return self.loss(logits, labels) + self.config.aux_loss_coef * self.aux_loss
 
     @property
