@@ -70,6 +70,17 @@ def clean_env() -> dict[str, str]:
     return env
 
 
+def run_train(args: list[str], timeout: float = 400) -> subprocess.CompletedProcess:
+    """``flatshard train ARGS`` to its end (a plain launch: ``clean_env``), output captured."""
+    cmd = [sys.executable, "-m", "flatshard.cli", "train", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), timeout=timeout)
+
+
+def metrics(out: Path) -> list[dict]:
+    """The rows of a run's ``metrics.jsonl``, in order."""
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def start_train(args: list[str], log: Path) -> subprocess.Popen:
     """``flatshard train ARGS`` in the background, stdout and stderr into ``log``.{out,err}."""
     cmd = [sys.executable, "-m", "flatshard.cli", "train", *args]

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import datetime
-import time
 
 import torch
 import torch.distributed as dist
@@ -230,25 +229,19 @@ class Run3D:
         return out
 
 
+def run_spec(spec: dict) -> dict:
+    run = Run3D(spec)
+    for step in range(STEPS):
+        run.step(step)
+    return run.result()
+
+
 def case_3d(specs: list[dict]) -> list[dict]:
     """Each spec on every rank: this rank's result, or the error it raised (not re-raised:
     every wait times out within ``TIMEOUT_S``, and the next spec still runs)."""
-    out = []
-    for spec in specs:
-        start = time.perf_counter()
-        try:
-            run = Run3D(spec)
-            for step in range(STEPS):
-                run.step(step)
-            result = run.result()
-        except Exception as exc:
-            from pipeline_cases import describe
+    from pipeline_cases import run_each
 
-            result = {"error": describe(exc)}
-            _FAILED[0] = True
-        result["seconds"] = round(time.perf_counter() - start, 2)
-        out.append(result)
-    return out
+    return run_each(specs, run_spec, _FAILED)
 
 
 def merge(spec: dict, per_rank: list[dict]) -> dict:

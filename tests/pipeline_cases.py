@@ -306,19 +306,26 @@ def describe(exc: BaseException) -> str:
     return " ".join(text.split())[:300]
 
 
-def case_schedules(specs: list[dict]) -> list[dict]:
-    """Each spec on every rank: per spec this rank's result, or the error it raised."""
+def run_each(specs: list[dict], run_one, failed: list[bool]) -> list[dict]:
+    """``run_one(spec)`` for each spec on this rank: its result, or the error it raised
+    (recorded, not raised: every wait times out, and the next spec still runs; ``failed[0]``
+    tells the next job that this rank's groups may hold stray messages)."""
     results = []
     for spec in specs:
         start = time.perf_counter()
         try:
-            result = run_spec(spec)
-        except Exception as exc:  # recorded, not raised: the next spec still runs
+            result = run_one(spec)
+        except Exception as exc:
             result = {"error": describe(exc)}
-            _FAILED[0] = True
+            failed[0] = True
         result["seconds"] = round(time.perf_counter() - start, 2)
         results.append(result)
     return results
+
+
+def case_schedules(specs: list[dict]) -> list[dict]:
+    """Each spec on every rank: per spec this rank's result, or the error it raised."""
+    return run_each(specs, run_spec, _FAILED)
 
 
 def merge(spec: dict, per_rank: list[dict]) -> dict:

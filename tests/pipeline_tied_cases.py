@@ -14,7 +14,6 @@ whole-model gradient norm's error (``fs.clip_grad_norm_(..., across=pp)``, measu
 from __future__ import annotations
 
 import copy
-import time
 
 import torch
 import torch.distributed as dist
@@ -34,12 +33,12 @@ from pipeline_cases import (
     Block,
     Stage,
     build_stages,
-    describe,
     global_batch,
     loss_fn,
     meshes,
     reference_loss,
     rel_err,
+    run_each,
     stage_ids,
 )
 
@@ -142,17 +141,7 @@ def run_spec(spec: dict) -> dict:
 
 def case_tied(specs: list[dict]) -> list[dict]:
     """Each spec on every rank: this rank's result (with the copies it holds), or the error."""
-    out = []
-    for spec in specs:
-        start = time.perf_counter()
-        try:
-            result = run_spec(spec)
-        except Exception as exc:  # recorded, not raised: the next spec still runs
-            result = {"error": describe(exc)}
-            _FAILED[0] = True
-        result["seconds"] = round(time.perf_counter() - start, 2)
-        out.append(result)
-    return out
+    return run_each(specs, run_spec, _FAILED)
 
 
 def merge(spec: dict, per_rank: list[dict]) -> dict:

@@ -11,9 +11,7 @@ the resume test is skipped with that reason. The other tests fail before any wor
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,7 +21,7 @@ from flatshard.train.cli import main, parse_config
 from flatshard.train.resolve import gpt_config, moe_config
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
-from fault_common import clean_env, write_inputs  # the shared tiny config, a small corpus
+from fault_common import metrics, run_train, write_inputs  # the shared tiny config, a small corpus
 
 TOL = 1e-5  # fp32: the house bar for parity
 REFUSED = "cannot be checkpointed yet"  # the trainer's words while fs.save refuses expert meshes
@@ -35,13 +33,8 @@ RUN = [
 ]  # fmt: skip
 
 
-def _train(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "flatshard.cli", "train", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), timeout=400)
-
-
-def _rows(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+def _train(*args: str):
+    return run_train(list(args))
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +54,7 @@ def runs(tmp_path_factory) -> dict:
     ep1 = _train(*base, "--steps", "4", "--out", str(root / "b"))
     assert ep1.returncode == 0, ep1.stderr[-3000:]
     last = resumed if resumed is not None else first
-    return {"a": _rows(root / "a"), "b": _rows(root / "b"), "a_out": last.stdout,
+    return {"a": metrics(root / "a"), "b": metrics(root / "b"), "a_out": last.stdout,
             "b_out": ep1.stdout, "refused": refused, "resumed": resumed}  # fmt: skip
 
 

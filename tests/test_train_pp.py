@@ -14,10 +14,8 @@ against the whole GPT, and the refusals before any worker starts.
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,7 +29,7 @@ from flatshard.train.pipeline import stage_indices
 from flatshard.train.pipeline_stage import GPTStage, cu_seqlens_from_positions, layer_split
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
-from fault_common import clean_env, write_inputs  # the shared tiny config, a small corpus
+from fault_common import metrics, run_train, write_inputs  # the shared tiny config, a small corpus
 
 TOL = 1e-5  # fp32: the house bar for parity
 RUN = [
@@ -48,13 +46,8 @@ CKPT = ["--checkpoint.every", "2", "--checkpoint.enabled", "true"]
 NO_CKPT = ["--checkpoint.enabled", "false"]
 
 
-def _train(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "flatshard.cli", "train", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), timeout=400)
-
-
-def _rows(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+def _train(*args: str):
+    return run_train(list(args))
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +68,7 @@ def runs(tmp_path_factory) -> dict:
         done[target] = _train(*base, *layout, *CKPT, "--resume", "--out", str(root / target))
     for name, proc in done.items():
         assert proc.returncode == 0, (name, proc.stderr[-3000:])
-    return {name: (proc.stdout, _rows(root / name)) for name, proc in done.items()}
+    return {name: (proc.stdout, metrics(root / name)) for name, proc in done.items()}
 
 
 def _sample(stdout: str) -> str:
