@@ -114,10 +114,8 @@ def save(
     loads with or without a pipeline ([Note: checkpoints across pipeline stages], parts.py).
     """
     models, optimizers = parts.model_parts(model, optimizer)
-    state = get_state(models[0])
     for part in models:
         session_of(part).wait_pending()
-    session = session_of(models[0])
     path = Path(path)
     group = parts.checkpoint_group(models, across)
     in_parts = len(models) > 1 or across is not None
@@ -132,18 +130,28 @@ def save(
     tmp = _make_tmp_dir(path, group)
     future: Future = Future()
     handle = SaveHandle(path, future)
-    if not async_:
+    if async_:
+        snapshot = {key: _to_cpu_copy(item) for key, item in items.items()}
+        args = (future, snapshot, description, tmp, path)
+        _start_in_background(handle, models[0], group, args, before_commit)
+    else:
         _run(future, items, description, tmp, path, group, before_commit)
         handle.wait()
-        return handle
+    return handle
+
+
+def _start_in_background(handle, model, group, args: tuple, before_commit) -> None:
+    """``fs.save(async_=True)``: write the CPU snapshot (in ``args``) from a thread, over the
+    session's own group for these ranks, and remember the handle (the next save or load
+    waits for it)."""
+    session = session_of(model)
     ranks = tuple(dist.get_process_group_ranks(group))
     if ranks not in session.async_groups:
-        session.async_groups[ranks] = _async_group(group, state.timeout)
-    snapshot = {key: _to_cpu_copy(item) for key, item in items.items()}
-    args = (future, snapshot, description, tmp, path, session.async_groups[ranks], before_commit)
-    threading.Thread(target=_run, args=args, name="flatshard-save", daemon=False).start()
+        session.async_groups[ranks] = _async_group(group, get_state(model).timeout)
+    run_args = (*args, session.async_groups[ranks], before_commit)
+    thread = threading.Thread(target=_run, args=run_args, name="flatshard-save")
+    thread.start()  # not a daemon: a save in flight finishes before the interpreter exits
     session.pending = handle
-    return handle
 
 
 def _async_group(group: dist.ProcessGroup, timeout) -> dist.ProcessGroup:
