@@ -1,9 +1,11 @@
-"""Coalesced units (engine/buckets.py): fewer collectives, the same bits.
+"""Coalesced units (engine/buckets.py): fewer collectives, the same bits over two ranks.
 
 Every engine parity test already runs coalesced (it is the default and the parity models are
 tiny); here a coalesced model and an uncoalesced copy train side by side on the same data and
-must agree bit for bit at every step (gradients, losses, parameters), while issuing fewer
-all-gathers and reduce-scatters; plus the plan, the explicit buckets and the errors.
+must agree bit for bit at every step over a shard group of two (gradients, losses, full
+parameters), to rounding over three (see the test), while issuing fewer all-gathers and
+reduce-scatters; plus the plan, the explicit buckets, the errors, and that a bucket is one
+unit (one gather, one counted autograd node per forward).
 """
 
 from __future__ import annotations
@@ -21,8 +23,33 @@ from parity_models import CASES, Block, TinyGPT, _lm_loss, _tokens, mesh_for
 STEPS = 4
 
 
+def _full(model: torch.nn.Module, of=lambda p: p.detach()) -> list[torch.Tensor]:
+    """Every parameter's full tensor of ``of(fragment)`` (None: an empty tensor), assembled
+    from every rank's fragments: a coalesced model's flat layout differs from an uncoalesced
+    one's, so fragments cannot be compared one to one."""
+    info = fs.fragment_info(model)
+    mine = {}
+    for name, i in info.items():
+        value = of(i.fragment)
+        mine[name] = (i.flat_range, None if value is None else value.clone())
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    out = []
+    for name, i in info.items():
+        parts = [theirs[name] for theirs in everyone]
+        if all(v is None for _, v in parts):
+            out.append(torch.zeros(0))
+            continue
+        full = torch.zeros(i.full_shape.numel(), dtype=i.fragment.dtype)
+        for (start, end), v in parts:
+            if v is not None:
+                full[start:end] = v
+        out.append(full)
+    return out
+
+
 def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
-    return [p.grad.clone() if p.grad is not None else torch.zeros(0) for p in model.parameters()]
+    return _full(model, lambda p: p.grad)
 
 
 def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -80,7 +107,7 @@ def case_identical(
             )
         worst["grad"] = max(worst["grad"], _max_diff(*grads))
         worst["loss"] = max(worst["loss"], abs(losses[0] - losses[1]))
-        params = [[p.detach().clone() for p in m.parameters()] for m in models]
+        params = [_full(m) for m in models]
         worst["param"] = max(worst["param"], _max_diff(*params))
         calls.append(counts)
     return {**worst, "calls": calls, "buckets": _buckets(models[0])}
@@ -103,9 +130,16 @@ SETUPS = [
 @pytest.mark.parametrize("name, strategy, route, bf16, world", SETUPS)
 def test_coalesced_equals_uncoalesced_bitwise(dist_pools, name, strategy, route, bf16, world):
     results = dist_pools(world).run(case_identical, name, strategy, route, bf16)
+    # A bucket is one unit with one flat layout, so an element's chunk of the reduce-scatter
+    # differs from the uncoalesced one's. The Gloo ring sums chunk c starting at rank c+1: over
+    # two ranks a + b == b + a (bitwise), over three or more the association changes with the
+    # chunk, so only rounding-level differences are allowed there.
+    shard_world = 2 if strategy == "hybrid_shard" else world
+    bound = (0.0, 0.0, 0.0) if shard_world == 2 else (1e-6, 1e-6, 1e-5)
     for rank, r in enumerate(results):
         label = f"{name} {strategy} {route} bf16={bf16} world {world} rank {rank}"
-        assert (r["grad"], r["param"], r["loss"]) == (0.0, 0.0, 0.0), f"{label}: {r}"
+        worst = (r["grad"], r["param"], r["loss"])
+        assert all(w <= b for w, b in zip(worst, bound, strict=True)), f"{label}: {r}"
     r = results[0]
     assert r["buckets"], f"{name}: no bucket was formed"
     coalesced, plain = r["calls"][-1]
@@ -202,21 +236,22 @@ def test_errors_name_the_value_and_the_fix(dist_pools):
         fs.Coalesce(buckets=["layers.0", "layers.1"])
 
 
-def case_storage_reuse(keep: int | None) -> dict:
-    """Fresh bucket storages in the third step of a 6-block TinyGPT in three buckets (the
-    StorageCache's ``keep`` replaced when given), the bytes kept for reuse, and whether
-    flatshard's count of gathered bytes still equals the buffers it holds, between steps."""
+def case_bucket_buffers(pool: str) -> dict:
+    """Full-buffer allocations of the buckets in the third step of a 6-block TinyGPT in three
+    buckets (``FLATSHARD_GATHER_POOL=pool``), and whether flatshard's count of gathered bytes
+    still equals the buffers it holds, between steps."""
+    from patching import patched_env
+
     probe = fs.shard(TinyGPT(layers=1), policy=fs.wrap.by_type(Block), coalesce=False)
     block = next(u.full_bytes for u in fs.units(probe) if isinstance(u.module, Block))
     coalesce = fs.Coalesce(unit_bytes=block, bucket_bytes=2 * block)
     torch.manual_seed(0)
-    model = fs.shard(TinyGPT(layers=6), policy=fs.wrap.by_type(Block), coalesce=coalesce)
+    with patched_env(FLATSHARD_GATHER_POOL=pool):
+        model = fs.shard(TinyGPT(layers=6), policy=fs.wrap.by_type(Block), coalesce=coalesce)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    state = get_state(model)  # white-box: the cache's size, the buffers behind the count
+    state = get_state(model)  # white-box: the buffers behind the count
     counts = []
     for step in range(3):
-        if step == 1 and keep is not None:
-            state.storage_cache.keep = keep
         before = fs.memory_stats(model).bucket_storage_allocations
         _lm_loss(model, _tokens(torch.Generator().manual_seed(step), 2)).backward()
         opt.step(), opt.zero_grad()
@@ -228,20 +263,65 @@ def case_storage_reuse(keep: int | None) -> dict:
         "fresh": counts[-1],
         "accounted": memory.gathered_bytes == held,
         "cached": memory.cached_bytes,
-        "gathered": memory.gathered_bytes,
-        "block_bytes": block,
     }
 
 
-def test_released_bucket_storages_are_reused(dist_pools):
+def test_bucket_buffers_are_private(dist_pools):
     pool = dist_pools(2)
-    # Steady step, three buckets, the last kept into the backward: without the cache every
-    # gather maps fresh memory (3 in forward, 2 regathers in backward); with it, only the
-    # gather that finds the cache full (the last bucket, released third) does. Two storages
-    # stay kept between steps, each its two blocks (the second on a 16-byte boundary).
-    for r in pool.run(case_storage_reuse, None):
-        assert (r["buckets"], r["fresh"], r["accounted"]) == (3, 1, True), r
-        storage = 2 * r["block_bytes"]
-        assert 2 * storage <= r["cached"] <= 2 * (storage + 16) and r["cached"] <= r["gathered"], r
-    for r in pool.run(case_storage_reuse, 0):
-        assert (r["buckets"], r["fresh"], r["accounted"], r["cached"]) == (3, 5, True, 0), r
+    # Steady step, three buckets (each one unit), the last kept into the backward. A bucket's
+    # full buffer is its own, pool or not (see [Note: coalesced units]): every gather
+    # allocates it (3 in forward, 2 in backward), every release frees it, nothing is kept.
+    for flag in ("1", "0"):
+        for r in pool.run(case_bucket_buffers, flag):
+            assert (r["buckets"], r["fresh"], r["accounted"], r["cached"]) == (3, 5, True, 0), r
+
+
+def case_one_unit_per_bucket() -> dict:
+    """A 6-block TinyGPT in two buckets of three: per bucket one flat layout, one gather
+    collective in forward, and one counted ``UnitViews`` node per forward pass."""
+    from flatshard.engine import hooks
+
+    torch.manual_seed(0)
+    names = [f"blocks.{i}" for i in range(6)]
+    coalesce = fs.Coalesce(unit_bytes=0, buckets=[names[:3], names[3:]])
+    model = fs.shard(
+        TinyGPT(layers=6), policy=fs.wrap.by_type(Block), coalesce=coalesce, split_root=False
+    )
+    state = get_state(model)  # white-box: the engine's units and their groups
+    nodes: list[int] = []
+    apply = hooks.UnitViews.apply
+
+    def counting(anchor, st, unit, counted, *rest):
+        if counted:
+            nodes.append(unit.index)
+        return apply(anchor, st, unit, counted, *rest)
+
+    hooks.UnitViews.apply = counting
+    try:
+        for step in range(2):
+            nodes.clear()
+            fs.comm_stats(model, reset=True)
+            loss = _lm_loss(model, _tokens(torch.Generator().manual_seed(step), 2))
+            forward_gathers = fs.comm_stats(model).calls.get("all_gather", 0)
+            loss.backward()
+    finally:
+        hooks.UnitViews.apply = apply
+    merged = [u for u in state.units if u.merged]
+    return {
+        "units": len(state.units),
+        "members": [len(u.members) for u in merged],
+        "groups": [len(u.groups) for u in merged],
+        "nodes": sorted(nodes),
+        "merged": sorted(u.index for u in merged),
+        "forward_gathers": forward_gathers,
+        "bucket_of": [u.bucket for u in fs.units(model)],
+    }
+
+
+def test_a_bucket_is_one_unit(dist_pools):
+    for r in dist_pools(2).run(case_one_unit_per_bucket):
+        assert (r["units"], r["members"], r["groups"]) == (3, [3, 3], [1, 1]), r
+        assert r["bucket_of"] == [0, 0, 0, 1, 1, 1, None], r
+        # One counted node per bucket per forward (and the root's): not one per member.
+        assert r["nodes"] == sorted([*r["merged"], 2]), r
+        assert r["forward_gathers"] == 3, r  # the root and one per bucket

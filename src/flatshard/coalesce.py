@@ -14,10 +14,13 @@ class Coalesce:
     A collective costs a fixed latency (a few hundred microseconds on Gloo, tens on NCCL)
     besides its bytes, so a model of many small units is latency-bound. Units that run one
     after another in the forward, each at most ``unit_bytes`` gathered, are put in *buckets* of
-    at most ``bucket_bytes``: the first use of any member gathers every member in one
-    collective, and the members' gradients are reduced in one collective once the last of them
-    is done. Layouts, fragments, the optimizer and checkpoints are unchanged: coalescing only
-    changes how many messages carry the same bytes, so results are identical with and without.
+    at most ``bucket_bytes``; a bucket is one unit over its modules (one flat layout): the
+    first use of any member gathers every member in one collective, and the members'
+    gradients are reduced in one collective once the last of them (in backward) is done.
+    Checkpoints and state dicts are per parameter name and unchanged; the fragments' ranges
+    follow the bucket's layout. Results are bit-identical with and without over a shard group
+    of two ranks, and equal to rounding over more (the ring's summation order follows an
+    element's chunk).
 
     Buckets are chosen at ``fs.shard`` from the modules' order (``model.modules()``: a parent
     before its children, siblings in registration order) and used from the first step on; the
@@ -31,8 +34,7 @@ class Coalesce:
 
     bucket_bytes: int = 8 * MIB
     """Largest bucket: the most gathered bytes held at once for one bucket (the next bucket
-    may be prefetched while one computes, as with ``Prefetch``). Also the largest released
-    bucket storage kept for reuse (``engine/bucket_storage.py``: two by default)."""
+    may be prefetched while one computes, as with ``Prefetch``)."""
 
     buckets: tuple[tuple[str, ...], ...] | None = None
     """Explicit buckets, by module name (as in ``model.named_modules()``, the units the policy

@@ -13,7 +13,7 @@ from torch import nn
 
 from .engine.buckets import gathered_bytes
 from .engine.state import STATE_ATTR, ShardedState, get_state
-from .engine.unit import ParamState
+from .engine.unit import ParamState, Unit
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -26,7 +26,9 @@ class UnitInfo:
     """One unit of a sharded model, as ``fs.units`` reports it."""
 
     index: int
-    """Position in the plan (children before their parents; the root is last)."""
+    """Position of its unit in the plan (children before their parents; the root is last),
+    as fragment tags (``fs.fragment_info``) name it: the members of a bucket of coalesced
+    units are one unit and share it."""
     name: str
     """The unit module's name in ``model.named_modules()`` ("" for the root)."""
     module: nn.Module
@@ -56,29 +58,41 @@ class UnitInfo:
 
 
 def units(model: nn.Module) -> list[UnitInfo]:
-    """The units of a sharded model, in plan order."""
+    """The units of a sharded model, in plan order; a bucket of coalesced units (one unit of
+    the engine, see [Note: coalesced units]) as one entry per member module."""
     state = get_state(model)
     module_names = {id(m): n for n, m in model.named_modules()}
     param_names = {id(p): n for n, p in model.named_parameters()}
     out = []
     for unit in state.units:
-        specs = [spec for group in unit.groups for spec in group.specs]
-        out.append(
-            UnitInfo(
-                index=unit.index,
-                name=module_names.get(id(unit.module), ""),
-                module=unit.module,
-                params=tuple(param_names.get(id(s.fragment), "?") for s in specs),
-                numel=sum(s.numel for s in specs),
-                full_bytes=gathered_bytes(unit),
-                gathered=unit.state is not ParamState.SHARDED,
-                reshard_after_forward=unit.reshard_after_forward,
-                part="tail" if unit.is_tail else "",
-                lazy=unit.regather_on_demand,
-                bucket=unit.bucket.index if unit.bucket is not None else None,
+        for member in unit.members:
+            specs = _member_specs(unit, member.params)
+            out.append(
+                UnitInfo(
+                    index=unit.index,
+                    name=module_names.get(id(member.module), ""),
+                    module=member.module,
+                    params=tuple(param_names.get(id(s.fragment), "?") for s in specs),
+                    numel=sum(s.numel for s in specs),
+                    full_bytes=member.full_bytes if unit.merged else gathered_bytes(unit),
+                    gathered=unit.state is not ParamState.SHARDED,
+                    reshard_after_forward=unit.reshard_after_forward,
+                    part="tail" if unit.is_tail else "",
+                    lazy=unit.regather_on_demand,
+                    bucket=unit.bucket,
+                )
             )
-        )
     return out
+
+
+def _member_specs(unit: Unit, params: frozenset[int]) -> list:
+    """The specs of ``unit``'s parameters that one member owns (all for a plain unit)."""
+    specs = []
+    for group, originals in zip(unit.groups, unit.built_from, strict=True):
+        specs += [
+            s for s, p in zip(group.specs, originals, strict=True) if p in params or not params
+        ]
+    return specs
 
 
 @dataclass(frozen=True)
@@ -108,19 +122,17 @@ class MemoryStats:
     shard_bytes: int
     """Parameter shards (what the optimizer steps on)."""
     gathered_bytes: int
-    """Gathered (full) parameter buffers allocated now, pooled ones and the bucket storages
-    kept for reuse included."""
+    """Gathered (full) parameter buffers allocated now, pooled ones included."""
     gathered_peak_bytes: int
     """The most ``gathered_bytes`` has been since the last peak reset."""
     pool_allocations: int
     """Pooled gather buffers created so far (constant after the first step in steady state)."""
     cached_bytes: int = 0
-    """Of ``gathered_bytes``: the storages of buckets of coalesced units that no member uses
-    now, kept for the bucket's next gather (at most two by default, each at most
-    ``Coalesce.bucket_bytes``)."""
+    """Of ``gathered_bytes``: memory kept only for a later gather outside the gather pool
+    (none since a bucket of coalesced units is one unit, whose buffer is pooled)."""
     bucket_storage_allocations: int = 0
-    """Times a bucket of coalesced units allocated fresh memory for its gather so far (a gather
-    into a kept storage does not count; one a step with three buckets, in steady state)."""
+    """Times a bucket of coalesced units allocated fresh memory for its gather so far (a
+    pooled buffer created for it, or its private buffer allocated)."""
 
 
 def memory_stats(model: nn.Module, *, reset_peak: bool = False) -> MemoryStats:
@@ -145,13 +157,7 @@ def memory_stats(model: nn.Module, *, reset_peak: bool = False) -> MemoryStats:
 
 
 def _bucket_storages(state: ShardedState) -> dict[str, int]:
-    """``cached_bytes`` and ``bucket_storage_allocations``: a bucket's storage is kept for
-    reuse while it holds memory that none of the bucket's members holds."""
-    cached = allocations = 0
-    for bucket in state.buckets:
-        groups = [g for u in bucket.units for g in u.groups]
-        for storage in bucket.storages:
-            allocations += storage.allocations
-            if storage.allocated and not any(storage.holds(g) for g in groups):
-                cached += storage.nbytes
-    return {"cached_bytes": cached, "bucket_storage_allocations": allocations}
+    """``cached_bytes`` (none: a merged unit's buffer is pooled or private like any unit's)
+    and ``bucket_storage_allocations``: fresh full buffers of the merged units so far."""
+    allocations = sum(g.allocations for u in state.units if u.merged for g in u.groups)
+    return {"cached_bytes": 0, "bucket_storage_allocations": allocations}

@@ -30,28 +30,30 @@ def register_method(model: nn.Module, name: str, *, submodule: nn.Module | None 
         )
     owner = _owning_unit(model, target, state.units)
     units = [u for u in state.units if u.module is owner.module]  # the root and its tail
+    # Every member of a bucket of coalesced units runs once: the pass ends, so it is released.
+    calls = [(u, m.module) for u in units for m in u.members]
 
     @functools.wraps(method)
     def gathered(*args, **kwargs):
-        for unit in units:
-            hooks._pre_forward(state, unit, unit.module, args, kwargs)
+        for unit, module in calls:
+            hooks._pre_forward(state, unit, module, args, kwargs)
         try:
             return method(*args, **kwargs)
         finally:
-            for unit in reversed(units):
-                hooks._post_forward(state, unit, unit.module, args, kwargs, None)
+            for unit, module in reversed(calls):
+                hooks._post_forward(state, unit, module, args, kwargs, None)
 
     setattr(target, name, gathered)
 
 
 def _owning_unit(model: nn.Module, target: nn.Module, units: list[Unit]) -> Unit:
     """The innermost unit whose module contains ``target``."""
-    by_module = {id(u.module): u for u in units}
+    by_module = {id(m.module): u for u in units for m in u.members}
     best = by_module.get(id(model))
     for module in model.modules():
         if id(module) in by_module and any(m is target for m in module.modules()):
             candidate = by_module[id(module)]
-            if best is None or any(m is module for m in best.module.modules()):
+            if best is None or any(m is module for b in best.members for m in b.module.modules()):
                 best = candidate
     if best is None:
         raise ValueError(f"{type(target).__name__} is not inside the sharded model")

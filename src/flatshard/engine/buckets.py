@@ -1,36 +1,40 @@
-"""Buckets of coalesced units: one all-gather and one reduce-scatter for several small units.
+"""Buckets of coalesced units: several small unit modules made one unit at ``fs.shard``.
 
 [Note: coalesced units]
 A bucket is a run of units that follow each other in the modules' order, chosen at
-``fs.shard`` (``plan_for``, from ``fs.Coalesce``) and checked against the first forward.
-Nothing about a member changes but *how its bytes travel*: each member keeps its own flat
-layout, fragments, full buffer and state machine.
+``fs.shard`` (``plan_for``, from ``fs.Coalesce``) and checked against the first forward. Its
+members are then rebuilt as **one** ``Unit`` over several modules (``merge_buckets``, as
+FSDP2's ``fully_shard([a, b])``): one ``FlatGroup`` per (dtype, requires_grad) over every
+member's parameters, so one layout, one shard, one full buffer, one state machine, one
+all-gather and one reduce-scatter per group through the plain
+``Unit.start_gather`` / ``Unit.start_reduce`` (no staging copy, no chunked gradient copy).
+A reduce-scatter SUM is elementwise, so the other layout gives the same bits as the members
+reduced apart.
 
-* **Gather.** When the training hooks gather (or prefetch) a member that is sharded, every
-  member of its bucket that is sharded right then is gathered with it: each rank sends the
-  concatenation of those members' shards once, into a staging buffer of ``world`` rows, and
-  ``wait`` copies each member's column of rows into its full buffer. The members all become
-  GATHERING with the one shared ``PendingWork``; whoever waits first does the copy. Ranks run
-  the same state machine, so they agree on which members are sharded and on the sizes.
-  Paths outside the step (summon, exports) gather one unit at a time, as before.
-* **Reduce.** A member whose backward is over hands its flat gradients to the bucket instead of
-  reducing them. When every trainable member has, one reduce-scatter of the members' flat
-  gradients laid out chunk by chunk (row ``r`` of the staging buffer = every member's chunk
-  ``r``) leaves this rank's shard of every member side by side; each member's
-  ``PendingReduce`` views its part. At the end of backward a bucket that some but not all
-  members reported to is reduced with zeros for the others, as an unreduced unit would be.
-* Memory: the members' private buffers are views of one ``SharedStorage`` per bucket (one
-  allocation per bucket gather, released when the last member releases; no saved-tensor
-  hooks needed; ``StorageCache`` keeps the memory of the first few released storages for
-  their next gather instead of freeing it), the gradients are written straight from
-  autograd's per-parameter gradients into the bucket's chunked buffer (no flat copy per
-  member), and the staging and chunked scratch buffers are borrowed from the gather pool when
-  the model has one. Under ``MALLOC_MMAP_THRESHOLD_=65536`` every fresh buffer is a fresh
-  mapping with page faults; one buffer per member per gather made 100 tiny units 1.24x slower
-  (measured).
-
-The copies into and out of the staging buffers are the price (FSDP2 pays them for every
-unit); they are why only units of at most ``Coalesce.unit_bytes`` are coalesced by default.
+* **Forward pass** (``hooks.py``; ``Unit.forward_pass``). Every member module has the unit's
+  pre/post-forward hooks. The first member call of a pass gathers, prefetches and installs
+  every member's views; the first call *with grad* that finds no counted ``UnitViews`` node
+  for the pass makes one (a member under a reentrant checkpoint runs under ``no_grad``: the
+  next member still gets autograd-connected views). The pass ends, and the unit is released,
+  once every member ran and no member call is in progress (members may nest: a unit and its
+  child unit can share a bucket); a member that does not run leaves the unit gathered until
+  its post-backward. A member call that runs again before the pass ended starts a new pass.
+* **Backward.** The node's outputs are every member's views, so it runs once, after the
+  backward of the first member (in forward order) that used them: that is the reduction
+  point. A member call whose output does not lead to the node (a reentrant checkpoint inside
+  it) adds a post-backward on its inputs, as a plain unit's call does; the pass's node counts
+  only if some member's output leads to it. A member whose forward ran under ``no_grad`` (a
+  reentrant checkpoint around it) is recomputed later in backward with its own counted node:
+  until it has been, the unit's reduction waits (``Unit.nograd_members``, see
+  ``hooks.defer_to_reentrant``).
+* **Memory.** The full buffer is private (never the gather pool's): its storage is resized to
+  zero on release and back for the next gather, so autograd's saved views of it stay valid
+  without saved-tensor hooks, and the full-shape views of its many small parameters are
+  built once, not once per pooled buffer (per step that was most of the tiny-unit overhead:
+  100 units of 50k parameters, 1.67x -> 1.42x unsharded, session 12).
+* Each member keeps its entry in ``fs.units`` (its own ``index``, ``full_bytes`` and
+  parameters; ``bucket``: the bucket's index), so plans and tests read as before.
+  ``Coalesce.unit_bytes`` keeps the units whose gather would hold the most memory apart.
 """
 
 from __future__ import annotations
@@ -38,146 +42,53 @@ from __future__ import annotations
 import torch
 
 from ..coalesce import Coalesce
-from ..comm.collectives import CommStats
-from .bucket_storage import SharedStorage, StorageCache
-from .flat_group import FlatGroup
-from .gather import start_gather
-from .gather_pool import GatheredBytes, GatherPool
-from .mesh import Topology
-from .reduce import PendingReduce, reduce_chunked, write_chunked
-from .unit import ParamState, Unit
-
-GradEntry = tuple[FlatGroup, "torch.Tensor | tuple", torch.Tensor]  # (group, gradient, used)
+from ..offload import CPUOffload
+from ..precision import MixedPrecision
+from .unit import Member, Unit
 
 
-class Bucket:
-    """Units that share their collectives (see the Note)."""
-
-    def __init__(
-        self,
-        index: int,
-        units: list[Unit],
-        topology: Topology,
-        stats: CommStats,
-        pool: GatherPool | None,
-        account: GatheredBytes,
-        cache: StorageCache | None = None,
-        timeout=None,
-    ) -> None:
-        self.index = index
-        self.units = units
-        self.topology = topology
-        self.stats = stats
-        self.pool = pool  # lends the staging buffers (never a member's own buffer)
-        self.timeout = timeout  # bounds the waits a reduction may chain (see reduce.py)
-        self.label = f"bucket {index} (units {', '.join(str(u.index) for u in units)})"
-        self._grads: dict[torch.dtype, tuple[torch.Tensor, list]] = {}  # see add_grads
-        self._reported: set[int] = set()
-        self._trainable = [u for u in units if u.trainable_groups]
-        groups = [g for u in units for g in u.groups]
-        self.storages = [
-            SharedStorage(list(gs), account, cache) for gs in _by(groups, "compute_dtype")
-        ]
-        trainable = [u.groups[i] for u in self._trainable for i in u.trainable_groups]
-        self._offsets = _offsets(trainable)
-        for unit in units:
-            unit.bucket = self
-
-    # ---- gather ------------------------------------------------------------------------------
-    def start_gather(self) -> None:
-        """Gather every member that is sharded now, in one collective per compute dtype."""
-        members = [u for u in self.units if u.state is ParamState.SHARDED]
-        if not members:
-            return
-        if len(members) == 1:
-            members[0].start_gather()
-            return
-        groups = [g for u in members for g in u.groups]
-        scratch = (self._scratch, self._release)
-        works = [
-            start_gather(gs, self.topology, self.stats, self.label, scratch)
-            for gs in _by(groups, "compute_dtype")
-        ]
-        for unit in members:
-            unit.mark_gathering(works)
-
-    def _scratch(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        device = self.topology.device
-        if self.pool is None:
-            return torch.empty(numel, dtype=dtype, device=device)
-        return self.pool.acquire(numel, dtype, device, owner=self)[:numel]
-
-    def _release(self, scratch: torch.Tensor) -> None:
-        if self.pool is not None:
-            self.pool.release(scratch._base if scratch._base is not None else scratch)
-
-    # ---- reduce ------------------------------------------------------------------------------
-    def add_grads(self, unit: Unit) -> list[PendingReduce]:
-        """``unit``'s backward is over: write its gradients into the bucket's chunked buffer
-        (row ``r`` = every member's chunk ``r``) right away; once every trainable member's are
-        in, start the bucket's reduction and return its pending parts."""
-        for group, grad, used in unit.take_flat_grads():
-            self._write(group, grad, used)
-        self._reported.add(unit.index)
-        if len(self._reported) < len(self._trainable):
-            return []
-        return self._launch()
-
-    def flush(self) -> list[PendingReduce]:
-        """End of backward: reduce what some members handed in, zeros for the others."""
-        if not self._reported:
-            return []
-        for unit in self._trainable:
-            if unit.index not in self._reported:
-                for group, _, used in unit.take_flat_grads():
-                    self._write(group, None, used)
-        return self._launch()
-
-    def _write(self, group: FlatGroup, grad, used: torch.Tensor) -> None:
-        dtype = group.reduce_dtype
-        if dtype not in self._grads:
-            world, total = self.topology.shard_world, self._offsets[dtype][1]
-            chunked = self._scratch(world * total, dtype).view(world, total)
-            self._grads[dtype] = (chunked, [])
-        chunked, entries = self._grads[dtype]
-        offset = self._offsets[dtype][0][id(group)]
-        region = chunked[:, offset : offset + group.shard_numel]  # every element is written
-        if grad is None:
-            region.zero_()
-        else:
-            write_chunked(region, group, grad)
-        entries.append((group, offset, used))
-
-    def _launch(self) -> list[PendingReduce]:
-        self._reported = set()
-        grads, self._grads = self._grads, {}
-        return [p for chunked, entries in grads.values() for p in self._reduce(chunked, entries)]
-
-    def _reduce(self, chunked: torch.Tensor, entries: list) -> list[PendingReduce]:
-        topo, stats, label = self.topology, self.stats, self.label
-        pending, work = reduce_chunked(chunked, entries, topo, stats, label, self.timeout)
-        work.add_then(lambda _: self._release(chunked))
-        return pending
-
-
-def _by(groups: list, attr: str) -> list[list]:
-    """``groups`` split by the value of ``attr`` (order kept within each part)."""
-    parts: dict = {}
-    for g in groups:
-        parts.setdefault(getattr(g, attr), []).append(g)
-    return list(parts.values())
-
-
-def _offsets(groups: list[FlatGroup]) -> dict[torch.dtype, tuple[dict[int, int], int]]:
-    """Per reduce dtype: each group's column offset in the chunked gradient, and the total."""
-    out: dict[torch.dtype, tuple[dict[int, int], int]] = {}
-    for part in _by(groups, "reduce_dtype"):
-        offsets, total = {}, 0
-        for g in part:
-            offsets[id(g)] = total
-            total += g.shard_numel
-        out[part[0].reduce_dtype] = (offsets, total)
+def merge_buckets(
+    units: list[Unit],
+    buckets: list[list[Unit]],
+    built_from: dict[int, list],
+    slots: dict,
+    mixed_precision: MixedPrecision | None,
+    offload: CPUOffload | None,
+) -> list[Unit]:
+    """``units`` with each bucket's members replaced by one unit over all their parameters
+    (at the place of its first member in ``units``; its index is the bucket's first's)."""
+    where = {id(u): b for b in buckets for u in b}
+    out: list[Unit] = []
+    done: set[int] = set()
+    for unit in units:
+        bucket = where.get(id(unit))
+        if bucket is None:
+            out.append(unit)
+        elif id(bucket[0]) not in done:
+            done.add(id(bucket[0]))
+            index = buckets.index(bucket)
+            out.append(_merged(bucket, index, built_from, slots, mixed_precision, offload))
+    for position, unit in enumerate(out):  # fragment tags index ShardedState.units
+        unit.index = position
     return out
+
+
+def _merged(
+    bucket: list[Unit], index: int, built_from: dict[int, list], slots: dict, mp, offload
+) -> Unit:
+    first = bucket[0]
+    members = [
+        Member(u.module, u.index, gathered_bytes(u), frozenset(id(p) for p in built_from[id(u)]))
+        for u in bucket
+    ]
+    params = [p for u in bucket for p in built_from[id(u)]]
+    unit = Unit(
+        first.index, first.module, params, slots, topology=first.topology, stats=first.stats,
+        reshard_after_forward=first.reshard_after_forward,
+        mixed_precision=mp, offload=offload, members=members,
+    )  # fmt: skip
+    unit.bucket = index
+    return unit
 
 
 def coalescible(unit: Unit, root: torch.nn.Module) -> bool:
@@ -219,14 +130,15 @@ def module_order(units: list[Unit], root: torch.nn.Module) -> list[Unit]:
     return sorted(units, key=lambda u: (rank[id(u.module)], u.is_tail))
 
 
-def bucket_order_message(bucket: Bucket, forward_order: list[Unit]) -> str:
-    """The warning when a bucket's members did not run one after another in the forward."""
-    names = [type(u.module).__name__ + f"#{u.index}" for u in bucket.units]
-    ran = [f"{type(u.module).__name__}#{u.index}" for u in forward_order]
+def bucket_order_message(unit: Unit, ran: list[tuple[Unit, int]]) -> str:
+    """The warning when a bucket's members did not run one after another in the forward
+    (``ran``: (unit, member) in the order of their first calls)."""
+    names = [f"{type(m.module).__name__}#{m.index}" for m in unit.members]
+    order = [f"{type(u.members[i].module).__name__}#{u.members[i].index}" for u, i in ran]
     return (
-        f"flatshard: bucket {bucket.index} ({', '.join(names)}) was planned at fs.shard from "
+        f"flatshard: bucket {unit.bucket} ({', '.join(names)}) was planned at fs.shard from "
         f"the modules' order, but its units did not run one after another in the first "
-        f"forward (forward order: {', '.join(ran[:12])}{' ...' if len(ran) > 12 else ''}). "
+        f"forward (forward order: {', '.join(order[:12])}{' ...' if len(order) > 12 else ''}). "
         "Results are unaffected, but the bucket holds its members' gathered parameters "
         "longer than needed. Pass fs.shard(..., coalesce=fs.Coalesce(buckets=[[names of "
         "modules that run one after another], ...])) or coalesce=False."

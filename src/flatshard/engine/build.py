@@ -17,7 +17,7 @@ from ..shard_options import ShardOptions
 from ..switches import Switches
 from ..wrap import Policy, WrapPlan, auto, build_plan, root_only
 from . import root_split
-from .buckets import plan_for
+from .buckets import merge_buckets, plan_for
 from .mesh import Topology
 from .meta_init import check_nothing_on_meta, has_meta, materialize_unit
 from .root_split import tail_parameters
@@ -37,7 +37,9 @@ def build_state(
 ) -> ShardedState:
     """The units of ``plan`` over ``topology``, and the state that drives them."""
     stats = CommStats(checker=OpChecker() if switches.debug else None, p2p=switches.gloo_p2p)
-    units = _build_units(model, plan, topology, stats, options)
+    units, owned, slots = _build_units(model, plan, topology, stats, options)
+    buckets = plan_for(options.coalesce, units, model)
+    units = merge_buckets(units, buckets, owned, slots, options.mixed_precision, options.offload)
     state = ShardedState(
         units,
         topology=topology,
@@ -48,7 +50,6 @@ def build_state(
         coalesce=options.coalesce,
         root=model,
     )
-    state.install_buckets(plan_for(options.coalesce, units, model))
     check_nothing_on_meta(model)
     _place_buffers(model, topology, options.mixed_precision)
     return state
@@ -104,8 +105,11 @@ def _owned_parameters(model: nn.Module, plan: WrapPlan) -> tuple[list[list], dic
 
 def _build_units(
     model: nn.Module, plan: WrapPlan, topology: Topology, stats: CommStats, options: ShardOptions
-) -> list[Unit]:
+) -> tuple[list[Unit], dict[int, list], dict]:
+    """The plan's units; the parameters each was built from (by ``id(unit)``: a bucket's
+    members are rebuilt as one unit from them), and every parameter's places."""
     owned, slots = _owned_parameters(model, plan)
+    built_from: dict[int, list] = {}
     own_meshes: dict[int, Topology] = {}  # per policy mesh (see _own_topology)
     units: list[Unit] = []
     built = {id(m) for m, params in zip(plan.unit_modules, owned, strict=True) if params}
@@ -135,7 +139,8 @@ def _build_units(
                 role=_role(is_root, i, lazy),
             )  # fmt: skip
             units.append(unit)
-    return units
+            built_from[id(unit)] = members
+    return units, built_from, slots
 
 
 def _own_topology(

@@ -97,8 +97,7 @@ class FlatGroup:
         self.chunk_spans: list[list[tuple]] | None = None  # see reduce._from_pieces
         self._views: list[torch.Tensor] = []  # full_views of ``_views_of`` (a ``full``)
         self._views_of: torch.Tensor | None = None
-        self.shared = None  # a bucket_storage.SharedStorage holding ``_private``, if coalesced
-        self.chunk_plan: list | None = None  # see reduce.write_chunked
+        self.allocations = 0  # fresh full buffers so far (a pooled one made for it included)
         self.free_full()
 
     def _fragments(self, params: list[nn.Parameter]) -> list[ParamSpec]:
@@ -124,16 +123,7 @@ class FlatGroup:
     # (see [Note: gather buffers and saved tensors] in gather_pool.py).
     @property
     def is_allocated(self) -> bool:
-        if self.shared is not None:
-            return self.shared.holds(self)
         return self._borrowed is not None or self._private.untyped_storage().nbytes() > 0
-
-    def share_storage(self, shared, view: torch.Tensor) -> None:
-        """Use ``view`` of a bucket's storage as the private buffer (see buckets.py): the
-        storage is allocated while any member holds it and freed when none does."""
-        self.shared, self.pool = shared, None
-        self._private = self.full = view
-        self._views, self._views_of = [], None
 
     @property
     def is_pooled(self) -> bool:
@@ -144,11 +134,14 @@ class FlatGroup:
         if self.is_allocated:
             return
         if self.pool is not None and not self.keep_private:
+            made = self.pool.allocations
             self._borrowed = self.pool.acquire(
                 self.padded_numel, self.compute_dtype, self.device, owner=self
             )
             self.full = self._borrowed[: self.padded_numel]
+            self.allocations += self.pool.allocations - made
         else:
+            self.allocations += 1
             self._resize_private(self._full_bytes)
 
     def free_full(self) -> None:
@@ -160,9 +153,6 @@ class FlatGroup:
             self._resize_private(0)
 
     def _resize_private(self, nbytes: int) -> None:
-        if self.shared is not None:
-            self.shared.hold(self) if nbytes else self.shared.release(self)
-            return
         storage = self._private.untyped_storage()
         if self.account is not None:
             self.account.change(nbytes - storage.nbytes())

@@ -1,22 +1,17 @@
-"""The all-gather of one flat group or of several at once: one path.
+"""The all-gather of one flat group: one path.
 
 [Note: one gather path]
 A gather writes each rank's shard (cast to the compute dtype, moved from an offloaded host
-shard to the device on the way) into that rank's own chunk of a buffer of ``world`` rows and
-all-gathers in place from there (as FSDP2 does: no separate send buffer).
-- One group (a unit): the buffer is the group's ``full`` buffer itself, so the gathered bytes
-  land where the parameter views read them (no copy-out).
-- Several groups (a bucket, buckets.py): the buffer is a staging buffer whose row ``r`` is the
-  concatenation of every group's chunk ``r``; the wait copies each group's column of rows into
-  its ``full`` buffer, then gives the staging buffer back.
-Either way the caller gets one ``PendingWork``; the ``full`` buffers are allocated first, on
-the compute stream, and on CUDA the rest runs on the gather side stream (see [Note: streams
-and buffer lifetimes] in streams.py).
+shard to the device on the way) into that rank's own chunk of the group's ``full`` buffer
+(``world`` rows) and all-gathers in place from there (as FSDP2 does: no separate send buffer),
+so the gathered bytes land where the parameter views read them (no copy-out). A bucket of
+coalesced units is one unit with one group per kind (see [Note: coalesced units] in
+buckets.py): no staging buffer either. The caller gets one ``PendingWork``; the ``full``
+buffer is allocated first, on the compute stream, and on CUDA the rest runs on the gather
+side stream (see [Note: streams and buffer lifetimes] in streams.py).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 
@@ -25,45 +20,11 @@ from .flat_group import FlatGroup
 from .mesh import Topology
 from .streams import on_side_stream
 
-# (numel, dtype) -> a scratch buffer; and its way back (buckets borrow from the gather pool)
-Borrow = Callable[[int, torch.dtype], torch.Tensor]
-GiveBack = Callable[[torch.Tensor], None]
 
-
-def start_gather(
-    groups: list[FlatGroup],
-    topo: Topology,
-    stats: CommStats,
-    label: str,
-    scratch: tuple[Borrow, GiveBack] | None = None,
-) -> PendingWork:
-    """Async: every rank's shard of each of ``groups`` (one compute dtype) into their
-    ``full`` buffers; ``scratch`` lends the staging buffer when there are several."""
-    for g in groups:
-        g.allocate_full()
-    if len(groups) == 1:
-        return _gather_one(groups[0], topo, stats, label)
-    assert scratch is not None, "several groups gather through a staging buffer"
-    borrow, give_back = scratch
-    world, total = topo.shard_world, sum(g.shard_numel for g in groups)
-    staging = borrow(world * total, groups[0].compute_dtype)  # on the compute stream (rule 1)
-    own, offset = staging.view(world, total)[topo.shard_rank], 0
-    with on_side_stream(topo.side_stream("gather")):
-        for g in groups:
-            write_send_shard(g, own[offset : offset + g.shard_numel], stats)
-            offset += g.shard_numel
-        work = all_gather_into(staging, own, topo.shard_group, stats, label)
-
-    def copy_out(_timeout) -> None:
-        rows, offset = staging.view(world, -1), 0
-        for g in groups:
-            n = g.shard_numel
-            g.full.data.view(world, n).copy_(rows[:, offset : offset + n])
-            offset += n
-        give_back(staging)
-
-    work.add_then(copy_out)
-    return work
+def start_gather(group: FlatGroup, topo: Topology, stats: CommStats, label: str) -> PendingWork:
+    """Async: every rank's shard of ``group`` into its ``full`` buffer."""
+    group.allocate_full()
+    return _gather_one(group, topo, stats, label)
 
 
 def _gather_one(group: FlatGroup, topo: Topology, stats: CommStats, label: str) -> PendingWork:

@@ -12,6 +12,8 @@ Flow per unit and iteration:
                 reduce-scatter and reshard
   end of backward  (one queued autograd callback) reduce units whose node never ran, wait,
                 agree across ranks on which parameters were used, assign ``.grad``
+A bucket of coalesced units is one unit whose hooks sit on several modules: its members'
+forward calls go through ``members.py`` (one pass, one node; see [Note: coalesced units]).
 
 [Note: fragments in the graph]
 Inside ``fs.pipeline_step`` ``UnitViews`` also takes the unit's trainable fragments as inputs,
@@ -40,7 +42,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
 from ..precision import MixedPrecision, cast_floating
-from . import lazy_root, recompute, saved_views
+from . import lazy_root, members, recompute, saved_views
 from .compile_boundary import register_plain_keys, register_settling, untraced
 from .recompute import Call, CallKind
 from .state import ShardedState, StateMode
@@ -100,8 +102,7 @@ def register_hooks(state: ShardedState) -> list[Any]:
     """Every unit's forward hooks, which Dynamo never traces (see [Note: hooks the compiler
     never traces] in ``compile_boundary.py``), and the root's plain state-dict keys."""
     handles = register_plain_keys(state.root) if state.root is not None else []
-    for unit in state.units:
-        module = unit.module
+    for unit, module in ((u, m.module) for u in state.units for m in u.members):
         handles.append(
             module.register_forward_pre_hook(
                 untraced(partial(_pre_forward, state, unit)), with_kwargs=True, prepend=True
@@ -113,7 +114,7 @@ def register_hooks(state: ShardedState) -> list[Any]:
             )
         )
     if state.tp is not None:  # see [Note: async tensors at a compiled unit's door]
-        handles += register_settling([unit.module for unit in state.units])
+        handles += register_settling([m.module for unit in state.units for m in unit.members])
     return handles
 
 
@@ -140,11 +141,20 @@ def _pre_forward(state: ShardedState, unit: Unit, module, args, kwargs):
     if state.mode is StateMode.SUMMONED:  # full parameters installed; no collective may run
         return None
     kind = recompute.classify_call(unit)
-    # Until the first backward ends (the step order is frozen then): not a per-step cost.
-    if kind is CallKind.FORWARD and unit.forward_depth == 0 and state.forward_order.frozen is None:
+    # Until the first backward ends (the step order is frozen then): not a per-step cost. A
+    # merged unit's pass in progress has its other members' views in place.
+    first_step = kind is CallKind.FORWARD and state.forward_order.frozen is None
+    if first_step and unit.forward_depth == 0 and not unit.forward_pass.started:
         _check_fragments_in_place(unit)
     if unit.is_tail and kind is CallKind.FORWARD:
         return _pre_forward_tail(state, unit)
+    member = unit.member_position(module)
+    if first_step:
+        state.observe_member(unit, member)
+    if unit.merged and kind is CallKind.FORWARD:
+        return members.pre_forward(state, unit, member, _OPS)
+    if unit.merged:  # in backward: this member's forward is recomputed now
+        unit.nograd_members.discard(member)
     state.gather_for_step(unit)
     if kind is CallKind.RECOMPUTE:  # gradients flow through the first forward's graph
         unit.install_views(recompute_views(state, unit))
@@ -153,17 +163,21 @@ def _pre_forward(state: ShardedState, unit: Unit, module, args, kwargs):
     if kind is CallKind.FORWARD:
         state.forward_order.observe(unit)
         state.prefetch(state.ahead(state.forward_order, unit, state.prefetch_policy.forward))
+    _enter_saved_views(state, unit)
+    views, node = make_views(state, unit)
+    unit.install_views(views)
+    unit.forward_depth += 1
+    unit.calls.append(Call(kind, node))
+    return None
+
+
+def _enter_saved_views(state: ShardedState, unit: Unit) -> None:
     if unit.regather_on_demand:  # see [Note: the lazy root]
         unit.lazy_now = lazy_root.enter(unit, partial(state.gather_for_step, unit))
     elif state.mode is StateMode.PIPELINE:  # see [Note: fragments in the graph]
         saved_views.enter_regathering(unit, partial(state.gather_for_step, unit))
     else:
         saved_views.enter(state.pool, unit)
-    views, node = make_views(state, unit)
-    unit.install_views(views)
-    unit.forward_depth += 1
-    unit.calls.append(Call(kind, node))
-    return None
 
 
 def _check_fragments_in_place(unit: Unit) -> None:
@@ -218,6 +232,8 @@ def _post_forward(state: ShardedState, unit: Unit, module, args, kwargs, output)
         _tail_views(state, unit, call)  # unused in this forward: its node must exist all the same
     if call.kind is CallKind.RECOMPUTE:  # views stay until this unit's post-backward
         return None
+    if unit.merged and call.kind is CallKind.FORWARD:
+        return members.post_forward(state, unit, module, (args, kwargs), output, call, _OPS)
     saved_views.leave(unit)
     unit.forward_depth = max(0, unit.forward_depth - 1)
     if unit.forward_depth == 0:  # not inside an outer call of the same unit (register_method)
@@ -227,9 +243,8 @@ def _post_forward(state: ShardedState, unit: Unit, module, args, kwargs, output)
         # reentrant recomputation is backpropagated right away: keep it too.
         # With the root's tail split off, the tail's backward comes first and prefetches the
         # last unit behind the head's backward: it need not be held through the loss.
-        # The last bucket is kept whole: its members are small, and the first of the backward.
         last = state.forward_order.is_last(unit)
-        keep_last = (last and not state.tail_first) or state.in_last_bucket(unit)
+        keep_last = last and not state.tail_first
         keep = call.kind is CallKind.REENTRANT or (keep_last and torch.is_grad_enabled())
         if unit.reshard_after_forward and not keep:
             unit.reshard(state.timeout)
@@ -280,10 +295,16 @@ def _pre_backward(state: ShardedState, unit: Unit, grad: torch.Tensor) -> None:
         views = untraced(partial(_on_demand_views, state, unit))
         unit.install_views(lazy_root.placeholders(unit, views))
         return
+    if unit.backward_views is not None and unit.state is ParamState.UNSHARDED:
+        if not unit.views_in_place(unit.backward_views):  # another member's: one node a gather
+            unit.install_views(unit.backward_views)
+        return
     state.gather_for_step(unit)
     if state.prefetch_policy.backward == "pre":
         state.prefetch(state.ahead(state.backward_order, unit))
-    unit.install_views(recompute_views(state, unit))
+    views = recompute_views(state, unit)
+    unit.backward_views = views if unit.merged else None
+    unit.install_views(views)
 
 
 def _on_demand_views(state: ShardedState, unit: Unit) -> list[list[torch.Tensor]]:
@@ -324,7 +345,9 @@ def _call_done(state: ShardedState, unit: Unit) -> None:
     """One forward call's backward is over; after the last one, reduce and reshard."""
     _queue_final_callback(state)
     unit.grad.pending_nodes = max(0, unit.grad.pending_nodes - 1)
-    if unit.grad.pending_nodes == 0:
+    if unit.grad.pending_nodes == 0 and members.defer_to_reentrant(unit):
+        unit.install_fragments()  # kept gathered for that member's recomputation
+    elif unit.grad.pending_nodes == 0:
         if not state.mode.defers_reduction:
             state.launch_reduce(unit)
         unit.install_fragments()
@@ -335,7 +358,15 @@ def _call_done(state: ShardedState, unit: Unit) -> None:
 
 def _reduce_right_away(state: ShardedState, unit: Unit) -> bool:
     """This call's gradients are the unit's last of this backward and get reduced next."""
-    return unit.grad.pending_nodes == 1 and not state.mode.defers_reduction
+    return (
+        unit.grad.pending_nodes == 1
+        and not state.mode.defers_reduction
+        and not members.defer_to_reentrant(unit)
+    )
+
+
+# What a bucket's member calls share with a plain unit call (see members.py).
+_OPS = members.HookOps(make_views, _enter_saved_views, _hook_output_grads, _post_backward_on_inputs)
 
 
 def _queue_final_callback(state: ShardedState) -> None:

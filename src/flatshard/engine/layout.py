@@ -8,7 +8,7 @@ boundary as well. Rank ``r`` owns elements ``[r*S, (r+1)*S)`` with ``S = padded 
 ``FlatGroup`` allocates its buffers from this; the estimator sizes units with ``padded_numel``.
 All chunk arithmetic lives here: which part of which parameter falls in rank ``r``'s chunk
 (``overlap``) serves this rank's places, the per-chunk spans of a reduction from
-per-parameter pieces and a bucket's chunked writes (``chunk_spans``).
+per-parameter pieces (``chunk_spans``).
 """
 
 from __future__ import annotations

@@ -1,19 +1,19 @@
-"""The gradient reduction, for one unit's group or a bucket of several: one path.
+"""The gradient reduction of one unit's flat group: one path.
 
 [Note: one reduction path]
-Whatever coalesces them, flat groups' gradients travel one way (``reduce_chunked``):
+A flat group's gradient travels one way (``reduce_chunked``):
 
-    flat gradient(s) --write--> chunked [world, total]    row r: every member's chunk r
+    flat gradient, viewed as chunked [world, S]           row r: chunk r
                      --divide (pre)--> reduce-scatter SUM over the shard group
                      --then--> all-reduce SUM over the replicate group (hybrid_shard)
                      --then--> divide (post)              pre * post = data-parallel world
-    this rank's row = each member's gradient shard, side by side  --assign--> fragment .grad
+    this rank's row = the group's gradient shard  --assign--> fragment .grad
 
-A unit reduces each trainable group as a bucket of one member (``reduce_group``): its padded
-flat gradient *is* the chunked buffer (``[world, S]``, no copy). A bucket (buckets.py) writes
-its members' flat gradients column by column into a scratch buffer. Two single-group
-shortcuts change the collective's inputs, not its sums: ``no_shard`` (no shard group: the
-flat gradient is the shard's gradient, only the replicate all-reduce runs) and the
+A unit reduces each trainable group (``reduce_group``): its padded flat gradient *is* the
+chunked buffer (``[world, S]``, no copy); a bucket of coalesced units is one unit (see
+[Note: coalesced units] in buckets.py), so it takes this path too. Two shortcuts change the
+collective's inputs, not its sums: ``no_shard`` (no shard group: the flat gradient is the
+shard's gradient, only the replicate all-reduce runs) and the
 per-parameter pieces of a Gloo point-to-point group (``reduces_pieces``: the ring sends each
 parameter's part of a chunk straight from autograd's gradient, no flat copy). The mean is a
 sum then a division, split around the sum for fp16 (``precision.sum_scaling``). After the
@@ -196,50 +196,6 @@ def _zeros(group: FlatGroup, n: int) -> torch.Tensor:
 
 def zeros_flat_grad(group: FlatGroup) -> torch.Tensor:
     return _zeros(group, group.padded_numel)
-
-
-def write_chunked(dest: torch.Tensor, group: FlatGroup, grad: Grad) -> None:
-    """Write ``group``'s gradient (its padded flat gradient, or the per-parameter gradients,
-    ``None`` for unused ones) into ``dest``, the ``[world, shard_numel]`` view of it: one
-    ``torch.cat`` into each row (the plan of which pieces go where is built once per group)."""
-    if isinstance(grad, torch.Tensor):
-        dest.copy_(grad.view(dest.shape))
-        return
-    if group.chunk_plan is None:
-        group.chunk_plan = _chunk_plan(group, dest.dtype)
-    flats = [None if g is None else g.reshape(-1) for g in grad]
-    for row, pieces in enumerate(group.chunk_plan):
-        parts = [gap if i is None else _piece(flats[i], a, n, dest) for i, a, n, gap in pieces]
-        torch.cat(parts, out=dest[row])
-
-
-def _piece(flat: torch.Tensor | None, start: int, n: int, like: torch.Tensor) -> torch.Tensor:
-    if flat is None:  # a parameter this backward did not use: zeros (rare)
-        return like.new_zeros(n)
-    return flat if start == 0 and n == flat.numel() else flat[start : start + n]
-
-
-def _chunk_plan(group: FlatGroup, dtype: torch.dtype) -> list[list[tuple]]:
-    """Per chunk (row) of the padded flat layout, the pieces that fill it in order: (parameter
-    index or None for a gap, start in the flattened parameter, length, zeros for a gap)."""
-    n = group.shard_numel
-    offsets = [(spec.offset, spec.numel) for spec in group.specs]
-    plan = []
-    for spans in chunk_spans(offsets, n, group.world):
-        pieces, position = [], 0
-        for at, length, index, start in spans:
-            if at > position:
-                pieces.append(_gap(at - position, dtype, group))
-            pieces.append((index, start, length, None))
-            position = at + length
-        if n > position:
-            pieces.append(_gap(n - position, dtype, group))
-        plan.append(pieces)
-    return plan
-
-
-def _gap(n: int, dtype: torch.dtype, group: FlatGroup) -> tuple:
-    return (None, 0, n, torch.zeros(n, dtype=dtype, device=group.device))
 
 
 # ---- assignment ----------------------------------------------------------------------------

@@ -10,7 +10,7 @@ does not delay the next unit's compute. The rules that keep every buffer right w
 ``record_stream`` (the same reasoning as FSDP2's):
 
 1. **Allocate on the compute stream.** Every buffer a side stream touches (full buffers,
-   staging and chunked scratch, gradient shards) is allocated on the current (compute)
+   gradient shards) is allocated on the current (compute)
    stream *before* entering ``on_side_stream``: the caching allocator ties memory to the
    stream that allocated it, and only the compute stream ever frees it.
 2. **Enter after the producer.** ``on_side_stream`` makes the side stream wait for the

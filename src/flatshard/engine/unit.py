@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -56,6 +57,27 @@ class Slot:
 
 
 @dataclass
+class Member:
+    """One module of a unit: ``index`` is its position in the wrap plan (``fs.units``);
+    for a bucket's member (see [Note: coalesced units]) what it was as a unit of its own."""
+
+    module: nn.Module
+    index: int
+    full_bytes: int = 0  # its own parameters gathered alone (what Coalesce.unit_bytes compares)
+    params: frozenset[int] = frozenset()  # ids of the parameters it owns (empty: all of them)
+
+
+@dataclass
+class ForwardPass:
+    """A merged unit's forward pass in progress: which members ran, and its counted node."""
+
+    started: bool = False
+    ran: set[int] = field(default_factory=set)
+    node: Any = None  # the counted UnitViews node of this pass (made with grad enabled)
+    reached: bool = False  # some member's output depends on ``node`` (so it will run)
+
+
+@dataclass
 class GradState:
     """Per-backward gradient bookkeeping of one unit."""
 
@@ -82,20 +104,21 @@ class Unit:
         mixed_precision: MixedPrecision | None = None,
         offload: CPUOffload | None = None,
         role: UnitRole = UnitRole.BLOCK,
+        members: list[Member] | None = None,
     ) -> None:
         self.index = index
         self.role = role
-        self.module = module
+        self.module = module  # the first member's module (see [Note: coalesced units])
+        # A bucket's modules, each with its pre/post-forward hooks; one for a plain unit.
+        self.members = members if members is not None else [Member(module, index)]
+        self.merged = len(self.members) > 1
+        self.bucket: int | None = None  # the bucket's index when merged (fs.units reports it)
         self.process_group = topology.shard_group
         self.topology = topology
         self.stats = stats
         self.reshard_after_forward = reshard_after_forward
         device = topology.device
-        self.groups: list[FlatGroup] = []
-        self.slots: list[Slot] = []
-        for members in _group_by_kind(params).values():
-            label = f"unit {index} ({type(module).__name__}) group {len(self.groups)}"
-            self._add_group(members, slots_by_param, label, mixed_precision, offload)
+        self._build_groups(params, slots_by_param, mixed_precision, offload)
         self.trainable_groups = [i for i, g in enumerate(self.groups) if g.requires_grad]
         self.has_tp = any(g.has_tp for g in self.groups)
         # Extra inputs of ``UnitViews`` inside fs.pipeline_step ([Note: fragments in the graph]).
@@ -109,7 +132,9 @@ class Unit:
         self.saved_hooks: list = []  # per forward call in progress, see saved_views.enter
         self.calls: list = []  # per forward call in progress: a recompute.Call
         self._gather_work: list[PendingWork] = []
-        self.bucket = None  # the engine.buckets.Bucket it shares collectives with, if any
+        self.forward_pass = ForwardPass()  # a merged unit's current forward pass
+        self.nograd_members: set[int] = set()  # see hooks.defer_to_reentrant
+        self.backward_views: list | None = None  # a merged unit's recompute views, this gather
         # The lazy root (see lazy_root.py): ``lazy_now``: this step's forward could install
         # its saved-tensor hooks.
         self.reach_calls = self.reach_streak = 0  # see recompute.output_reaches
@@ -119,6 +144,17 @@ class Unit:
         self.grad = GradState()
         self.reset_grad_state()
         self.install_fragments()
+
+    def _build_groups(self, params, slots_by_param, mixed_precision, offload) -> None:
+        """One flat group per (dtype, requires_grad) of ``params``, and their places."""
+        self.groups: list[FlatGroup] = []
+        self.slots: list[Slot] = []
+        # Per group, the ids of the parameters it was built from (a member's, see fs.units).
+        self.built_from: list[list[int]] = []
+        for members in _group_by_kind(params).values():
+            self.built_from.append([id(p) for p in members])
+            label = f"unit {self.index} ({type(self.module).__name__}) group {len(self.groups)}"
+            self._add_group(members, slots_by_param, label, mixed_precision, offload)
 
     def _add_group(self, members, slots_by_param, label, mixed_precision, offload) -> None:
         """One flat group of ``members`` (same dtype and requires_grad), and their places."""
@@ -170,6 +206,11 @@ class Unit:
         for slot in self.slots:
             slot.module._parameters[slot.name] = views[slot.group][slot.index]
 
+    def views_in_place(self, views: list[list[torch.Tensor]]) -> bool:
+        """Are ``views`` installed (every place is set at once, so the first one tells)?"""
+        slot = self.slots[0]
+        return slot.module._parameters[slot.name] is views[slot.group][slot.index]
+
     def as_parameters(self, views: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         """Full views as the module's parameters: tensor-parallel ones as their DTensors
         (see [Note: tensor-parallel parameters] in tensor_parallel.py)."""
@@ -194,10 +235,10 @@ class Unit:
         if self.state is not ParamState.SHARDED:
             return
         topo, stats = self.topology, self.stats
-        self.mark_gathering([start_gather([g], topo, stats, g.label) for g in self.groups])
+        self.mark_gathering([start_gather(g, topo, stats, g.label) for g in self.groups])
 
     def mark_gathering(self, works: list[PendingWork]) -> None:
-        """The gathers of every group are in flight (``works``, maybe shared with a bucket)."""
+        """The gathers of every group are in flight (``works``)."""
         self._gather_work = works
         self._gathered_versions = [g.shard._version for g in self.groups]
         self.state = ParamState.GATHERING
@@ -223,6 +264,16 @@ class Unit:
         for g in self.groups:
             g.free_full()
         self.state = ParamState.SHARDED
+        self.backward_views = None
+
+    def member_position(self, module: nn.Module) -> int:
+        """Which member ``module`` is (0 for a module that is none: ``register_method``)."""
+        return next((i for i, m in enumerate(self.members) if m.module is module), 0)
+
+    def start_forward_pass(self) -> ForwardPass:
+        """A new forward pass of a merged unit (every member may run once more)."""
+        self.forward_pass = ForwardPass(started=True)
+        return self.forward_pass
 
     # ---- gradient accumulation and reduction ---------------------------------------------------
     def accumulate(self, grads: tuple, *, reduce_now: bool) -> None:
@@ -237,9 +288,10 @@ class Unit:
             if all(g is None for g in mine):
                 continue
             previous = self.grad.flat_grads[gi]
-            # A bucket writes the pieces straight into its chunked buffer (buckets.py).
-            pieces = reduce_now and (
-                self.bucket is not None or reduces_pieces(group, self.topology, self.stats)
+            # A bucket's parameters are small (its members are at most Coalesce.unit_bytes):
+            # one message per parameter would cost more than the flat copy.
+            pieces = (
+                reduce_now and not self.merged and reduces_pieces(group, self.topology, self.stats)
             )
             if previous is None and pieces:
                 self.grad.flat_grads[gi] = tuple(mine)  # reduced without a flat copy

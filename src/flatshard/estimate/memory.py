@@ -8,7 +8,7 @@ optimizer step). At each moment the live bytes are summed by category from what 
 holds then: gathered units and the buffers of gathers in flight (``schedule.py``, from the
 units of ``units.py``), the saved activations still alive, the gradient of the unit being
 reduced (per-parameter autograd gradients, their casts, the flat copy), the flat gradients
-waiting for their bucket or in flight and the gradient shards produced so far
+in flight and the gradient shards produced so far
 (``reductions.py``; in the reduce dtype until the end of backward casts them into the fp32
 ``.grad``). Steady state: the optimizer state exists and ``.grad`` was set to ``None`` after
 the previous step.
@@ -204,6 +204,9 @@ def _block_backward(
     """Block ``i``'s pre-backward (before its gather is waited for), its MLP backward and its
     post-backward (``grads`` moves on to the next reduction there)."""
     spec, p, act = step.spec, step.layout.precision, step.act
+    bucket = step.units.bucket_of(i)
+    # A bucket's blocks' parameter gradients wait in its node until its first block is done.
+    waiting = 1 if bucket is None else bucket[-1] - i + 1
     yield (
         f"backward block {i} gather",
         {
@@ -211,7 +214,7 @@ def _block_backward(
             **grads.between(),
             "activations": (i + 1) * step.kept + act.fixed,  # the head's were freed
             "workspace": act.grad_input,
-            "unit_grads": held_root,
+            "unit_grads": held_root + (waiting - 1) * spec.block_params * p.param,
         },
     )
     gathered = step.gathered(f"backward block {i}")
@@ -222,7 +225,9 @@ def _block_backward(
             **grads.between(),
             "activations": i * step.kept + act.block + act.fixed,
             "workspace": act.mlp_workspace,
-            "unit_grads": held_root + spec.hidden * spec.ffn * p.param,  # + down_proj's
+            "unit_grads": held_root  # + down_proj's
+            + (waiting - 1) * spec.block_params * p.param
+            + spec.hidden * spec.ffn * p.param,
         },
     )
     yield (
@@ -231,8 +236,12 @@ def _block_backward(
             **step.gathered(f"backward block {i} end"),
             "activations": i * step.kept + act.fixed,
             "workspace": act.grad_input,
-            "unit_grads": held_root + spec.block_params * p.param,
-            **grads.post_backward(step.units.block, i),
+            "unit_grads": held_root + waiting * spec.block_params * p.param,
+            **(
+                grads.post_backward(step.units.unit_of(bucket or i))
+                if bucket is None or i == bucket[0]
+                else grads.between()
+            ),
         },
     )
 

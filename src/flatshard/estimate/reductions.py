@@ -1,15 +1,14 @@
 """Gradient bytes of the backward, reduction by reduction (``Unit.accumulate``/``start_reduce``,
-``Bucket.add_grads``, ``ShardedState.launch_reduce``), in the reduce dtype.
+``ShardedState.launch_reduce``), in the reduce dtype.
 
 At a unit's post-backward its per-parameter gradients are cast to the reduce dtype if needed
 and concatenated into a flat gradient, the reduction is launched with a new gradient shard as
 its output, and the oldest reduction beyond ``max_inflight_reduces`` is waited for, which
 frees its flat gradient. On Gloo's point-to-point ring a unit of at least
 ``PIECES_MIN_BYTES`` is reduced from its per-parameter gradients instead (``gloo_p2p.
-reduce_scatter_pieces``), which stay alive in flight in place of the flat copy. A bucket's
-members write their per-parameter gradients straight into the bucket's chunked buffer
-(``world x`` the members' shards, row ``r`` = every member's chunk ``r``), whose reduction
-into the members' new shards starts once the last member (the first in forward order) is done.
+reduce_scatter_pieces``), which stay alive in flight in place of the flat copy. A bucket of
+coalesced blocks is one unit: reduced once, after its first block's (in forward order) backward,
+always through the flat copy.
 no_shard: the flat gradient is the gradient shard; nothing is in flight.
 """
 
@@ -29,7 +28,7 @@ Parts = dict[str, int]
 
 class Reductions:
     """The reductions of one backward so far: ``gradients`` (shards of those launched) and
-    ``flat_grads`` (flat gradients waiting for their bucket or still in flight)."""
+    ``flat_grads`` (flat gradients still in flight)."""
 
     def __init__(self, units: Units, layout: Layout) -> None:
         self.units, self.layout = units, layout
@@ -54,23 +53,20 @@ class Reductions:
 
     def reduces_pieces(self, unit: Unit) -> bool:
         """Reduced straight from the per-parameter gradients (``reduce.reduces_pieces``):
-        Gloo's point-to-point path, a unit that is no bucket's member."""
+        Gloo's point-to-point path; never a bucket (its parameters are small)."""
         lay = self.layout
         p2p = lay.backend == "gloo" and 2 <= lay.shard_world <= MAX_P2P_WORLD
-        return p2p and unit.pad * self.width >= PIECES_MIN_BYTES
+        return p2p and unit.name != "bucket" and unit.pad * self.width >= PIECES_MIN_BYTES
 
-    def post_backward(self, unit: Unit, block: int | None = None) -> Parts:
-        """The peak of ``unit``'s post-backward (block ``block``, or the root or the tail): the
-        casts of its gradients live while the flat gradient is concatenated and are freed
+    def post_backward(self, unit: Unit) -> Parts:
+        """The peak of ``unit``'s post-backward (a block's, a bucket's, the root's, the tail's):
+        the casts of its gradients live while the flat gradient is concatenated and are freed
         before the reduction's buffers are allocated, so the larger moment counts."""
         p = self.layout.precision
         casts = unit.numel * self.width if self.width != p.param else 0
         if self.layout.shard_world == 1:
             self.shards += unit.pad * self.width
             return {"gradients": self.shards, "flat_grads": casts}
-        bucket = self.units.bucket_of(block) if block is not None else None
-        if bucket is not None:
-            return self._member(unit, bucket, block)  # type: ignore[arg-type]
         if self.reduces_pieces(unit):
             return self._pieces(unit)
         flat = unit.pad * self.width
@@ -99,25 +95,6 @@ class Reductions:
                  + self._completing()}  # fmt: skip
         self.shards += new
         self._launch(unit.numel * p.param + sent + staging, own)  # the pieces stay alive
-        return parts
-
-    def _member(self, unit: Unit, bucket: tuple[int, ...], block: int) -> Parts:
-        """A bucket's members write their gradients straight into its chunked buffer
-        (``W x`` the members' shards, taken at the first member's post-backward: the gather
-        pool's when the model has one, counted as gathered then, see ``schedule.py``); the
-        last one (the first in forward order) launches the reduction into the members' new
-        shards, and the chunked buffer is what stays in flight."""
-        chunked = 0 if self.units.pooled else len(bucket) * unit.pad * self.width
-        if block == bucket[-1]:
-            self.held += chunked
-        if block != bucket[0]:
-            return {"gradients": self.shards, "flat_grads": self.held + self._flying()}
-        out = len(bucket) * unit.shard * self.width
-        parts = {"gradients": self.shards + out,
-                 "flat_grads": self.held + self._flying() + self._completing()}  # fmt: skip
-        self.shards += out
-        self.held -= chunked
-        self._launch(chunked)
         return parts
 
     def _launch(self, nbytes: int, completing: int = 0) -> None:

@@ -13,11 +13,12 @@ per block and the root unit, which owns what no block owns:
   ``lm_head``, so the root is regathered at the head's backward and held to the end; an untied
   model's root (the embedding, whose backward reads no weight) is never regathered. A smaller
   root stays gathered from forward into backward, as the tail does.
-* Coalescing (``fs.Coalesce()`` defaults, ``engine/buckets.py``): from the second step on, runs
-  of consecutive blocks of at most ``unit_bytes`` gathered each are *buckets* of at most
+* Coalescing (``fs.Coalesce()`` defaults, ``engine/buckets.py``): at ``fs.shard``, runs of
+  consecutive blocks of at most ``unit_bytes`` gathered each are *buckets* of at most
   ``bucket_bytes``; the root and the tail are never coalesced, and neither is anything under
-  no_shard. A bucket gathers all its sharded members at once into one storage (not the gather
-  pool's) and reduces once its last member's backward is done.
+  no_shard. A bucket is one unit over its blocks (one flat layout, padded once: its
+  ``bucket_units`` entry), gathered into one private buffer (never the gather pool's) and
+  reduced once, after the backward of its first block in forward order.
 
 Sizes are padded to a multiple of the shard group as ``engine.layout`` pads them (the 16-byte
 alignment gaps between parameters are left out: none in the presets).
@@ -67,18 +68,22 @@ class Units:
     layers: int
     buckets: tuple[tuple[int, ...], ...]
     """Block indices of each bucket (forward order); blocks in none are gathered alone."""
+    bucket_units: tuple[Unit, ...]
+    """The unit each bucket is (its blocks' parameters in one layout), as ``buckets``."""
     lazy_root: bool
     """The root reshards after forward (see the Note)."""
     root_regathered: bool
     """The lazy root is gathered again in backward (a tied head's saved weight)."""
     pooled: bool
     """The model has a gather pool (full_shard/hybrid_shard): blocks gathered alone borrow
-    its buffers, and buckets their staging and chunked scratch."""
+    its buffers."""
 
     @property
     def all(self) -> list[Unit]:
-        """Every unit once per instance (blocks ``layers`` times)."""
-        return [self.root, *([self.tail] if self.tail else []), *[self.block] * self.layers]
+        """Every unit once (a bucket as one, a block in none once each)."""
+        alone = self.layers - sum(len(b) for b in self.buckets)
+        tail = [self.tail] if self.tail else []
+        return [self.root, *tail, *[self.block] * alone, *self.bucket_units]
 
     @property
     def shards(self) -> int:
@@ -90,6 +95,12 @@ class Units:
 
     def bucket_of(self, block: int) -> tuple[int, ...] | None:
         return next((b for b in self.buckets if block in b), None)
+
+    def unit_of(self, key: int | tuple[int, ...]) -> Unit:
+        """A block's unit, or a bucket's (``key``: the bucket's block indices)."""
+        if isinstance(key, tuple):
+            return self.bucket_units[self.buckets.index(key)]
+        return self.block
 
 
 def plan_units(spec: ModelSpec, layout: Layout) -> Units:
@@ -103,6 +114,7 @@ def plan_units(spec: ModelSpec, layout: Layout) -> Units:
     else:
         root, tail = _unit(layout, "root", (v, c, *head)), None
     block = _unit(layout, "block", tuple(spec.block_sizes))
+    buckets = _buckets(block.pad * layout.precision.param, spec.layers, layout)
     # root_split.worth_lazy: big enough, and no TP (DTensor) parameter, whose saved DTensors
     # the lazy root could not rebuild after releasing it.
     big = root.numel * layout.precision.master >= LAZY_MIN_BYTES and layout.tp == 1
@@ -112,7 +124,8 @@ def plan_units(spec: ModelSpec, layout: Layout) -> Units:
         tail=tail,
         block=block,
         layers=spec.layers,
-        buckets=_buckets(block.pad * layout.precision.param, spec.layers, layout),
+        buckets=buckets,
+        bucket_units=tuple(_unit(layout, "bucket", block.sizes * len(b)) for b in buckets),
         lazy_root=lazy,
         root_regathered=lazy and spec.tied,
         # Units of TP parameters gather into buffers of their own (engine/state.py).
