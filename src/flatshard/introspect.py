@@ -128,8 +128,9 @@ class MemoryStats:
     pool_allocations: int
     """Pooled gather buffers created so far (constant after the first step in steady state)."""
     cached_bytes: int = 0
-    """Of ``gathered_bytes``: memory kept only for a later gather outside the gather pool
-    (none since a bucket of coalesced units is one unit, whose buffer is pooled)."""
+    """Of ``gathered_bytes``: memory kept only for a later gather outside the gather pool.
+    Always 0 now: a bucket of coalesced units is one unit whose own buffer is allocated at
+    each gather and freed at each release (kept for the meaning of earlier reports)."""
     bucket_storage_allocations: int = 0
     """Times a bucket of coalesced units allocated fresh memory for its gather so far (a
     pooled buffer created for it, or its private buffer allocated)."""
