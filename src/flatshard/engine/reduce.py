@@ -98,33 +98,22 @@ def reduce_group(
         return _replicated(group, grad, used, topo, stats)
     if isinstance(grad, tuple):
         return _from_pieces(group, grad, used, topo, stats, timeout)
-    chunked = grad.view(topo.shard_world, group.shard_numel)
-    return reduce_chunked(chunked, [(group, 0, used)], topo, stats, group.label, timeout)[0][0]
+    return reduce_chunked(group, grad, used, topo, stats, timeout)
 
 
 def reduce_chunked(
-    chunked: torch.Tensor,
-    members: list[tuple[FlatGroup, int, torch.Tensor]],
-    topo: Topology,
-    stats: CommStats,
-    label: str,
-    timeout,
-) -> tuple[list[PendingReduce], PendingWork]:
-    """Start averaging ``chunked`` (``[world, total]``: row ``r`` holds chunk ``r`` of every
-    member's flat gradient, one reduce dtype) over every data-parallel rank. ``members``:
-    (group, its column offset, its used mask). One ``PendingReduce`` per member, sharing the
-    returned work (on which the caller may chain the release of ``chunked``)."""
-    pre, post = sum_scaling(chunked.dtype, divisor(topo))
-    out = torch.empty(chunked.shape[1], dtype=chunked.dtype, device=chunked.device)  # rule 1
+    group: FlatGroup, grad: torch.Tensor, used: torch.Tensor, topo: Topology, stats, timeout
+) -> PendingReduce:
+    """Start averaging ``group``'s padded flat gradient (viewed as ``[world, S]``: row ``r``
+    is chunk ``r``) over every data-parallel rank: reduce-scatter SUM over the shard group,
+    then the replicas, then the division."""
+    pre, post = sum_scaling(grad.dtype, divisor(topo))
+    out = torch.empty(group.shard_numel, dtype=grad.dtype, device=grad.device)  # rule 1
     with on_side_stream(topo.side_stream("reduce")):  # see streams.py
-        flat = divided(chunked.view(-1), pre)
-        work = reduce_scatter_sum(out, flat, topo.shard_group, stats, label)
-        _then_replicas_and_divide(work, out, post, topo, stats, label, timeout)
-    pending = [
-        PendingReduce(group, out[offset : offset + group.shard_numel], used, work)
-        for group, offset, used in members
-    ]
-    return pending, work
+        flat = divided(grad.view(-1), pre)
+        work = reduce_scatter_sum(out, flat, topo.shard_group, stats, group.label)
+        _then_replicas_and_divide(work, out, post, topo, stats, group.label, timeout)
+    return PendingReduce(group, out, used, work)
 
 
 def _replicated(group: FlatGroup, grad: Grad, used, topo: Topology, stats) -> PendingReduce:
