@@ -41,12 +41,12 @@ from torch.distributed.checkpoint.state_dict import (
 
 import flatshard as fs
 import flatshard.checkpoint as ckpt
-from flatshard.bench import AnchorBlock as Block
-from flatshard.bench import AnchorGPT as GPT
 from flatshard.checkpoint import digest_writer
 from flatshard.checkpoint.digest_writer import DigestWriter
 from flatshard.checkpoint.safety import describe_file
 from flatshard.comm.shutdown import end_process_group
+from flatshard.tools.bench import AnchorBlock as Block
+from flatshard.tools.bench import AnchorGPT as GPT
 
 
 def build(mode: str, args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -3,7 +3,7 @@
 Run: OMP_NUM_THREADS=1 .venv/bin/python bench/bench_checkpointing.py [--layers 8 --dim 128]
 
 World 2, full_shard, the second step of each route (recorded prefetch order). Memory is live
-tensor bytes counted by ``flatshard.estimate.measure.LiveBytes`` (gathered parameter buffers
+tensor bytes counted by ``flatshard.tools.estimate.measure.LiveBytes`` (gathered parameter buffers
 excluded, reported apart): "activations" is what is alive when forward returns, "peak" the
 most alive during the step. Routes come from tests/checkpoint_routes.py (the real torch and
 Hugging Face APIs); "none" keeps every activation. Ratios are to fs.checkpoint_activations.

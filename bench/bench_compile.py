@@ -15,8 +15,9 @@ Modes (every model from the same seed, trained side by side on the same batches)
   local_blocks  the plain model with compiled blocks (the compute-only gain)
 Default model: the anchor GPT of bench_step.py (D=384, L=6, V=8192); ``--model small`` etc. use
 the reference GPT. The harness (barrier, slowest rank, rotated order, first rounds discarded) is
-:mod:`flatshard.bench`'s; the first step of each mode (which compiles) runs before the rounds and
-is reported as ``first_step_s``, with the graph breaks and graphs Dynamo reported during it.
+:mod:`flatshard.tools.bench`'s; the first step of each mode (which compiles) runs before the
+rounds and is reported as ``first_step_s``, with the graph breaks and graphs Dynamo reported
+during it.
 ``--quick``: a tiny model, 4 rounds, ``aot_eager`` (the smoke test). See docs/compile.md.
 """
 
@@ -32,8 +33,16 @@ import torch.distributed as dist
 from torch import nn
 
 import flatshard as fs
-from flatshard.bench import WARMUP, AnchorBlock, AnchorGPT, Runner, median, run_rounds, train_step
 from flatshard.comm.shutdown import end_process_group
+from flatshard.tools.bench import (
+    WARMUP,
+    AnchorBlock,
+    AnchorGPT,
+    Runner,
+    median,
+    run_rounds,
+    train_step,
+)
 
 MODES = ("eager", "blocks", "model", "fsdp2", "fsdp2_blocks", "local", "local_blocks")
 PAIRS = (

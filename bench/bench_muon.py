@@ -27,10 +27,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import flatshard as fs
-from flatshard.bench import AnchorBlock, AnchorGPT
 from flatshard.comm.shutdown import end_process_group
 from flatshard.optim.newton_schulz import orthogonalize
 from flatshard.optim.whole import assign_owners, rounds_of
+from flatshard.tools.bench import AnchorBlock, AnchorGPT
 
 
 class NaiveMuon(fs.optim.Muon):

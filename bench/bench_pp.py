@@ -41,10 +41,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 import flatshard as fs
-from flatshard.bench import WARMUP, median, ratio_table
 from flatshard.comm.shutdown import end_process_group
 from flatshard.models import Block, GPTConfig
 from flatshard.models.rope import RotaryEmbedding
+from flatshard.tools.bench import WARMUP, median, ratio_table
 
 ENGINES = ("flatshard", "fsdp2")
 MEMORY_STEPS = 3

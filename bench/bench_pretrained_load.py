@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import flatshard as fs
-from flatshard.checkpoint.layout import model_layout
+from flatshard.checkpoint.contents import model_layout
 from flatshard.comm.shutdown import end_process_group
 from flatshard.models import GPT, GPTConfig
 from flatshard.models.block import Block

@@ -1,6 +1,6 @@
 """Step time of flatshard vs torch FSDP2 vs DDP vs an unsharded local step, interleaved.
 
-A thin wrapper over :mod:`flatshard.bench` for running under torchrun yourself (``flatshard
+A thin wrapper over :mod:`flatshard.tools.bench` for running under torchrun yourself (``flatshard
 bench`` launches torchrun for you and adds ``--memory``):
 
     OMP_NUM_THREADS=1 MALLOC_MMAP_THRESHOLD_=65536 torchrun --nproc-per-node 2 \\
@@ -13,7 +13,7 @@ bench`` launches torchrun for you and adds ``--memory``):
 
 import sys
 
-from flatshard.bench import main
+from flatshard.tools.bench import main
 
 if __name__ == "__main__":
     raise SystemExit(main(["--worker", *sys.argv[1:]]))

@@ -36,10 +36,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import flatshard as fs
-from flatshard.bench import WARMUP, Runner, median, ratio_table, train_step
 from flatshard.comm.shutdown import end_process_group
 from flatshard.models import GPT, Block, GPTConfig
 from flatshard.models.tensor_parallel import parallelize_gpt
+from flatshard.tools.bench import WARMUP, Runner, median, ratio_table, train_step
 
 ENGINES = ("flatshard", "fsdp2")
 PRECISIONS = ("fp32", "bf16")

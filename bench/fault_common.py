@@ -72,7 +72,7 @@ def clean_env() -> dict[str, str]:
 
 def run_train(args: list[str], timeout: float = 400) -> subprocess.CompletedProcess:
     """``flatshard train ARGS`` to its end (a plain launch: ``clean_env``), output captured."""
-    cmd = [sys.executable, "-m", "flatshard.cli", "train", *args]
+    cmd = [sys.executable, "-m", "flatshard.tools.cli", "train", *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), timeout=timeout)
 
 
@@ -83,7 +83,7 @@ def metrics(out: Path) -> list[dict]:
 
 def start_train(args: list[str], log: Path) -> subprocess.Popen:
     """``flatshard train ARGS`` in the background, stdout and stderr into ``log``.{out,err}."""
-    cmd = [sys.executable, "-m", "flatshard.cli", "train", *args]
+    cmd = [sys.executable, "-m", "flatshard.tools.cli", "train", *args]
     out, err = open(f"{log}.out", "w"), open(f"{log}.err", "w")  # noqa: SIM115 (closed by GC)
     return subprocess.Popen(cmd, stdout=out, stderr=err, env=clean_env())
 

@@ -75,7 +75,7 @@ def _join(root: Path, rank: int, world: int, store: str) -> None:
 def saver(root: Path, rank: int, mode: str) -> None:
     """One rank of the saving job: save forever (until killed)."""
     import flatshard as fs
-    from flatshard.train.checkpointing import CheckpointManager
+    from flatshard.tools.train.checkpointing import CheckpointManager
 
     _join(root, rank, 2, "store")
     model = fs.shard(Net(), policy=fs.wrap.by_type(Block))
@@ -187,7 +187,7 @@ def _warm_up() -> None:
     """Import and run once here what every forked rank needs (a first AdamW step alone imports
     ~1 s of modules): each fork then starts warm."""
     import flatshard.checkpoint
-    import flatshard.train.checkpointing  # noqa: F401
+    import flatshard.tools.train.checkpointing  # noqa: F401
 
     net = Net()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)

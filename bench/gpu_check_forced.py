@@ -5,7 +5,7 @@ flatshard issues no collective at all. ``forced_groups()`` keeps it: the size-on
 1-D mesh becomes the shard group (``full_shard``, ``shard_grad_op``) or the replicate group
 (``no_shard``), so every gather is an in-place all-gather, every reduction a reduce-scatter
 and every agreement an all-reduce on it (NCCL on a GPU, Gloo in the dry run), as at world N.
-On CUDA that also puts them on the engine's side streams (engine/streams.py), which a plain
+On CUDA that also puts them on the engine's side streams (core/streams.py), which a plain
 world-1 run never enters. ``Spy`` counts what reaches the backend (by op and device) and can
 delay each collective (``torch.cuda._sleep``): on the stream it is issued from (``current``:
 the engine's gather or reduce stream), or on a fresh side stream that it is then issued from
@@ -28,11 +28,11 @@ from gpu_check_common import Ctx, lm_loss
 import flatshard as fs
 import flatshard.api as fs_api
 import flatshard.comm.collectives as fs_coll
-import flatshard.engine.mesh as fs_mesh
-from flatshard.engine.strategy import STRATEGIES, MeshRole
+import flatshard.core.mesh as fs_mesh
+from flatshard.core.strategy import STRATEGIES, MeshRole
 
 FORCED_WHAT = (
-    "fs.shard at world 1 with the size-one group kept (flatshard.engine.mesh.resolve_topology "
+    "fs.shard at world 1 with the size-one group kept (flatshard.core.mesh.resolve_topology "
     "and flatshard.api.resolve_topology patched): the 1-D mesh's group becomes the shard group "
     "(full_shard, shard_grad_op; replicate group for no_shard), shard_world 1, so every gather "
     "is an in-place all-gather, every reduction a reduce-scatter and every agreement an "

@@ -5,8 +5,8 @@
 
 Started plainly it launches the workers itself (2 CPU ranks with Gloo, or one per GPU) through
 torch's elastic launcher; under torchrun or srun the process is one of the workers. The loop it
-runs is ``flatshard.train.trainer`` (packing, global-token loss, AdamW + warm-up/cosine, clipping,
-checkpoints); see docs/trainer.md. The same run from the shell::
+runs is ``flatshard.tools.train.trainer`` (packing, global-token loss, AdamW + warm-up/cosine,
+clipping, checkpoints); see docs/trainer.md. The same run from the shell::
 
     flatshard train --steps 300 --out runs/tiny
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from flatshard.train import DataConfig, LogConfig, OptimConfig, TrainConfig, run
+from flatshard.tools.train import DataConfig, LogConfig, OptimConfig, TrainConfig, run
 
 
 def main() -> int:

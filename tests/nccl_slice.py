@@ -119,7 +119,7 @@ def case_offload_devices(name: str, extra: str, offload: bool = True) -> dict:
     ``fs.clip_grad_norm_``, or a full optimizer-state save and load after them) under the
     virtual compute device: every tensor handed to a collective must be a compute-device
     tensor (a violation otherwise), and no op may mix host and compute tensors."""
-    from flatshard.engine import mesh
+    from flatshard.core import mesh
 
     case, device = CASES[name], VirtualDevice()
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -158,7 +158,7 @@ def case_steady_syncs(name: str, strategy: str, optimizer: str) -> dict:
     """The device syncs flatshard's own code makes in a steady step (the third), under the
     virtual compute device: host reads of compute tensors (``.item()``, ``.tolist()``,
     ``bool()``, ``.cpu()``). Each one drains the device on CUDA."""
-    from flatshard.engine import mesh
+    from flatshard.core import mesh
 
     case, device = CASES[name], VirtualDevice()
     world, rank = dist.get_world_size(), dist.get_rank()

@@ -22,7 +22,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
 import flatshard as fs
-from flatshard.pipeline_tied import tie_across_stages
+from flatshard.parallel.pipeline_tied import tie_across_stages
 from pipeline_cases import (
     _FAILED,
     OPTIMIZERS,

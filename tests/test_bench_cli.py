@@ -8,8 +8,8 @@ import types
 
 import pytest
 
-from flatshard import bench
-from flatshard.bench import ratio_table
+from flatshard.tools import bench
+from flatshard.tools.bench import ratio_table
 
 TINY = ["--dim", "32", "--layers", "2", "--heads", "2", "--vocab", "64", "--batch", "2"]
 TINY += ["--seq", "16"]
@@ -32,7 +32,7 @@ def test_ratio_table_drops_warmup_and_pairs_rounds():
 @pytest.mark.slow
 def test_bench_cli_tiny_launch(tmp_path, capsys):
     """Two ranks under torchrun, a 2-block model, 3 rounds (~15 s on this box)."""
-    from flatshard.cli import main
+    from flatshard.tools.cli import main
 
     out = tmp_path / "bench.json"
     argv = ["bench", "--steps", "3", "--dim", "32", "--layers", "2", "--heads", "2"]
@@ -57,7 +57,7 @@ def _fake_run(launches: list[list[str]]):
     """Stands in for ``subprocess.run``: records the worker's argv, writes a minimal JSON."""
 
     def run(cmd, env, check):
-        argv = cmd[cmd.index("flatshard.bench") + 1 :]
+        argv = cmd[cmd.index("flatshard.tools.bench") + 1 :]
         launches.append(argv)
         args = bench.parse_args(argv)
         times = [1.0] * args.steps

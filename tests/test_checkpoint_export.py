@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 import flatshard as fs
 import flatshard.checkpoint as ckpt
-from flatshard import cli
+from flatshard.tools import cli
 from parity_models import Block, LoRALinear, LoRAModel, TinyGPT
 
 

@@ -21,7 +21,8 @@ from torch import nn
 
 import flatshard as fs
 import flatshard.checkpoint as ckpt
-from flatshard.checkpoint import commit, layout, planner
+from flatshard.checkpoint import commit, planner
+from flatshard.checkpoint import contents as layout
 from parity_models import CASES, Block, TinyGPT, named_param_groups
 from patching import patched_attr
 

@@ -160,7 +160,7 @@ def case_save_checkpoint(name: str, ckpt_dir: str, hf_dir: str) -> None:
 def test_flatshard_export_hf_writes_what_from_pretrained_loads(dist_pools, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from flatshard import cli
+    from flatshard.tools import cli
 
     ckpt_dir, hf_dir, out = tmp_path / "ckpt", tmp_path / "hf", tmp_path / "exported"
     dist_pools(2).run(case_save_checkpoint, "hf_qwen2", str(ckpt_dir), str(hf_dir))

@@ -1,4 +1,4 @@
-"""Coalesced units (engine/buckets.py): fewer collectives, the same bits over two ranks.
+"""Coalesced units (features/buckets.py): fewer collectives, the same bits over two ranks.
 
 Every engine parity test already runs coalesced (it is the default and the parity models are
 tiny); here a coalesced model and an uncoalesced copy train side by side on the same data and
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import flatshard as fs
-from flatshard.engine.state import get_state
+from flatshard.core.state import get_state
 from parity_models import CASES, Block, TinyGPT, _lm_loss, _tokens, mesh_for
 
 STEPS = 4
@@ -279,7 +279,7 @@ def test_bucket_buffers_are_private(dist_pools):
 def case_one_unit_per_bucket() -> dict:
     """A 6-block TinyGPT in two buckets of three: per bucket one flat layout, one gather
     collective in forward, and one counted ``UnitViews`` node per forward pass."""
-    from flatshard.engine import hooks
+    from flatshard.core import hooks
 
     torch.manual_seed(0)
     names = [f"blocks.{i}" for i in range(6)]

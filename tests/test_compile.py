@@ -1,7 +1,7 @@
 """``torch.compile`` composes with flatshard, however it is applied (world 2, Gloo).
 
 flatshard's hooks are never traced (see [Note: hooks the compiler never traces] in
-``engine/compile_boundary.py``), so:
+``features/compile_boundary.py``), so:
 
 * per block — ``block.compile(fullgraph=True)`` before or after ``fs.shard`` (torchtitan's
   order is before), ``torch.compile(block, fullgraph=True)`` put back in the parent, or
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 import flatshard as fs
-from flatshard.engine.compile_boundary import is_untraced, plain_name, register_plain_keys
+from flatshard.features.compile_boundary import is_untraced, plain_name, register_plain_keys
 from parity_models import Block, TinyGPT, _lm_loss, _tokens, named_param_groups, rel_err
 
 STEPS = 3

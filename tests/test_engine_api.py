@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import flatshard as fs
-from flatshard.engine.state import get_state
+from flatshard.core.state import get_state
 from parity_models import Block, LoRAModel, TinyGPT, _lm_loss, rel_err, state_dict_err
 from patching import patched_env
 from tiny_pair import tiny_pair
@@ -459,7 +459,7 @@ def test_introspection_api(dist_pools):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_rank_chunk_starts_on_16_bytes(world, dtype):
     """An odd total in bf16 at world 3 used to start rank 1's chunk 6 bytes off 16."""
-    from flatshard.engine.layout import FlatLayout, align_elements
+    from flatshard.core.layout import FlatLayout, align_elements
 
     align = align_elements(dtype)
     for shapes in ([(3, 5)], [(7,), (1,), (13, 3)], [(1,)]):
@@ -471,7 +471,7 @@ def test_every_rank_chunk_starts_on_16_bytes(world, dtype):
 def test_the_current_cuda_device_must_be_the_processs_own():
     """torchrun starts every process on cuda:0: fs.shard names the fix (checked without a GPU:
     the check is a function of the current device, LOCAL_RANK and the device count)."""
-    from flatshard.engine.mesh import check_cuda_device
+    from flatshard.core.mesh import check_cuda_device
 
     check_cuda_device(3, "3", 8)  # set_device(LOCAL_RANK) was called
     check_cuda_device(1, "9", 8)  # a second node's numbering wraps

@@ -45,7 +45,7 @@ def test_activation_checkpointing_matches_single_process(dist_pools, name, strat
 def pieces_parity(name: str, strategy: str = "full_shard", recompute: bool = False):
     """``train_parity`` with every gradient reduced straight from its per-parameter pieces (the
     Gloo point-to-point path that skips the flat copy; by default only for units >= 1 MiB)."""
-    from flatshard.engine import reduce
+    from flatshard.core import reduce
 
     with patched_attr(reduce, "PIECES_MIN_BYTES", 0):
         return train_parity(name, 5, 2, strategy, recompute)

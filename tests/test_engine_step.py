@@ -79,7 +79,7 @@ EXPECTED_COUNTS = {  # strategy -> (world, collectives per step of a 3-block Tin
 }
 
 
-# The defaults: the three blocks are one bucket (engine/buckets.py), the last of the forward,
+# The defaults: the three blocks are one bucket (features/buckets.py), the last of the forward,
 # kept gathered into the backward; the root is split into its tail (the final norm) and the
 # rest (embeddings, tied head; under LAZY_MIN_BYTES, so kept gathered too, see
 # test_root_split.py for the lazy root). Forward: root, tail, bucket; backward: nothing to
@@ -279,7 +279,7 @@ def test_prefetch_config_is_validated():
 
 def case_no_sync_from_pieces(keep: str, strategy: str) -> dict:
     """``case_no_sync`` with every eligible gradient reduced from its per-parameter pieces."""
-    from flatshard.engine import reduce
+    from flatshard.core import reduce
 
     with patched_attr(reduce, "PIECES_MIN_BYTES", 0):
         return case_no_sync(keep, strategy)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from flatshard.estimate import (
+from flatshard.tools.estimate import (
     Layout,
     ModelSpec,
     Precision,
@@ -18,8 +18,8 @@ from flatshard.estimate import (
     estimate_time,
     main,
 )
-from flatshard.estimate.cli import min_world
-from flatshard.estimate.devices import DEVICES
+from flatshard.tools.estimate.cli import min_world
+from flatshard.tools.estimate.devices import DEVICES
 
 GIB = 2**30
 LLAMA_70B = dict(layers=80, hidden=8192, heads=64, kv_heads=8, vocab=128256, params=70e9)
@@ -28,7 +28,7 @@ LLAMA_70B = dict(layers=80, hidden=8192, heads=64, kv_heads=8, vocab=128256, par
 
 
 def case_measure(model: str, batch: int, seq: int, kw: dict) -> dict[str, int]:
-    from flatshard.estimate.measure import measure_step
+    from flatshard.tools.estimate.measure import measure_step
 
     return measure_step(model, batch=batch, seq=seq, **kw)
 

@@ -1,5 +1,5 @@
 """``flatshard estimate --pp/--schedule/--microbatches`` and ``--experts/--top-k/--ep``: every
-expectation follows from the formulas of ``estimate/pipeline.py`` (its Note), none is a
+expectation follows from the formulas of ``tools/estimate/bubble.py`` (its Note), none is a
 recorded output."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from flatshard.estimate import main
-from flatshard.estimate.pipeline import bubble_fraction, expert_traffic, held_microbatches
+from flatshard.tools.estimate import main
+from flatshard.tools.estimate.bubble import bubble_fraction, expert_traffic, held_microbatches
 
 
 @pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])

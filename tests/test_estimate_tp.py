@@ -1,6 +1,6 @@
 """``flatshard estimate`` with tensor parallelism (torchtitan's Llama plan) composed with
 flatshard's data-parallel sharding: every expectation follows from the formulas of
-``estimate/tensor_parallel.py`` (its Note), none is a recorded output."""
+``tools/estimate/tp_cost.py`` (its Note), none is a recorded output."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from flatshard.estimate import (
+from flatshard.tools.estimate import (
     DEVICES,
     Layout,
     ModelSpec,
@@ -20,8 +20,8 @@ from flatshard.estimate import (
     estimate_time,
     main,
 )
-from flatshard.estimate.tensor_parallel import local_spec, tp_traffic
-from flatshard.estimate.units import plan_units
+from flatshard.tools.estimate.tp_cost import local_spec, tp_traffic
+from flatshard.tools.estimate.units import plan_units
 
 GIB = 2**30
 BF16 = Precision("bf16")
@@ -89,7 +89,7 @@ def test_gathered_units_are_a_tp_share_of_the_block():
     norms = 2 * spec.hidden
     assert split.block.numel == norms + (full.block.numel - norms) // tp
     assert split.root.numel == spec.hidden * (spec.vocab // tp)  # the embedding's rows
-    assert not split.pooled  # TP units gather into buffers of their own (engine/state.py)
+    assert not split.pooled  # TP units gather into buffers of their own (core/state.py)
     assert full.lazy_root and not split.lazy_root  # root_split.worth_lazy: never with DTensors
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import flatshard as fs
-from flatshard.engine.state import get_state
+from flatshard.core.state import get_state
 from parity_models import Block, TinyGPT, _lm_loss, _tokens, train_parity
 from patching import patched_env
 
@@ -23,7 +23,7 @@ def _sharded(
 ) -> tuple[torch.nn.Module, torch.nn.Module]:
     torch.manual_seed(0)
     ref = TinyGPT(layers=layers)
-    # Coalesced units gather into private buffers (engine/buckets.py): the pool is tested
+    # Coalesced units gather into private buffers (features/buckets.py): the pool is tested
     # unit by unit.
     model = fs.shard(
         copy.deepcopy(ref), policy=fs.wrap.by_type(Block), prefetch=prefetch, coalesce=False

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from flatshard.comm import gloo_p2p
 from flatshard.comm.collectives import CommStats, all_gather_into, reduce_scatter_sum
-from flatshard.engine.layout import chunk_spans
+from flatshard.core.layout import chunk_spans
 
 TIMEOUT = datetime.timedelta(seconds=60)
 SIZES = (1, 5, 1024, 100_003)  # per-rank chunk sizes: odd, tiny, larger than a socket buffer

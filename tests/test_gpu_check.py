@@ -87,10 +87,10 @@ def test_gpu_activity_from_a_trace(bench_path):
 def test_sync_warnings_are_counted_by_flatshard_line(bench_path):
     import gpu_check_probe as probe
 
-    inner = traceback.FrameSummary(probe.FLATSHARD_DIR + "engine/state.py", 261, "finish")
+    inner = traceback.FrameSummary(probe.FLATSHARD_DIR + "core/state.py", 261, "finish")
     outer = traceback.FrameSummary(str(ROOT / "bench" / "x.py"), 5, "step")
     torch_frame = traceback.FrameSummary("/site-packages/torch/_tensor.py", 9, "item")
-    assert probe.site_of([outer, inner, torch_frame]) == "flatshard/engine/state.py:261 (finish)"
+    assert probe.site_of([outer, inner, torch_frame]) == "flatshard/core/state.py:261 (finish)"
     assert probe.site_of([outer, torch_frame]) == "x.py:5 (step)"
 
     def sync_here():

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import flatshard as fs
-from flatshard.grad_scaler import GradScaler
+from flatshard.optim.grad_scaler import GradScaler
 
 D, H = 8, 16
 

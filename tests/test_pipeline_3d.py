@@ -8,7 +8,7 @@ run by a ``torch.distributed.pipelining`` schedule over ``mesh["pp"]`` inside
 3 steps (float64) every stage's full state equals one process trained on the global batch,
 and the clipped norm equals its norm every step (about 2e-15), for 1F1B, Interleaved1F1B
 and the split-backward schedules (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV: their
-weight pass unpacks saved DTensor weights, which engine/saved_views.py regathers). World 8:
+weight pass unpacks saved DTensor weights, which features/saved_views.py regathers). World 8:
 slow-marked (``FLATSHARD_SLOW=1``), one pool job for every case.
 """
 

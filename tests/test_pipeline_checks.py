@@ -22,7 +22,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
 import flatshard as fs
-from flatshard.pipeline_checks import microbatch_problem
+from flatshard.parallel.pipeline_checks import microbatch_problem
 from pipeline_cases import PP, SCHEDULES, TIMEOUT_S, Block, build_stages, loss_fn, meshes
 
 # ---- run on the pool's ranks -------------------------------------------------------------------

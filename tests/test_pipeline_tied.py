@@ -9,7 +9,7 @@ for 1F1B (copies on two pp ranks), Interleaved1F1B (two stages per rank, copies 
 ranks) and ZBVZeroBubble / DualPipeV (V-shaped: both copies on pp rank 0), and with the dp
 split at different elements of the two copies. Without the declaration the copies drift (the
 check can fail). Bad declarations raise on every rank. The whole-model gradient norm counts
-the tied weight once (grad_norm.py skips the duplicate copies).
+the tied weight once (optim/grad_norm.py skips the duplicate copies).
 """
 
 from __future__ import annotations

@@ -215,7 +215,7 @@ def test_cpu_offload_trains_exactly_like_no_offload(dist_pools, world, name, mp)
 
 def case_exports_write_the_fp32_masters(tmp: str) -> dict:
     """Under bf16 compute, full_state_dict / export_safetensors must hold the fp32 shards'
-    values (engine/masters.py), not the bf16 copy the forward gathers."""
+    values (core/masters.py), not the bf16 copy the forward gathers."""
     from safetensors.torch import load_file
 
     torch.manual_seed(0)

@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flatshard.train.build import Env, _hybrid_mesh
-from flatshard.train.cli import main
-from flatshard.train.config import (
+from flatshard.tools.train.build import Env, _hybrid_mesh
+from flatshard.tools.train.cli import main
+from flatshard.tools.train.config import (
     CheckpointConfig,
     DataConfig,
     LogConfig,
@@ -29,9 +29,9 @@ from flatshard.train.config import (
     PrecisionConfig,
     TrainConfig,
 )
-from flatshard.train.config_io import apply_overrides
-from flatshard.train.data import TOKENIZER, load_corpus
-from flatshard.train.resolve import gpt_config, resolve
+from flatshard.tools.train.config_io import apply_overrides
+from flatshard.tools.train.data import TOKENIZER, load_corpus
+from flatshard.tools.train.resolve import gpt_config, resolve
 
 
 @pytest.mark.parametrize(
@@ -99,7 +99,7 @@ def test_token_ids_always_fit_the_model():
 
 
 def _tiny_run(policy: str, dtype: str, docs: str, out: str):
-    from flatshard.train.session import setup
+    from flatshard.tools.train.session import setup
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = TrainConfig(
@@ -118,8 +118,8 @@ def _tiny_run(policy: str, dtype: str, docs: str, out: str):
 
 def case_nonfinite(policy: str, dtype: str, poison: float, docs: str, out: str) -> dict:
     """Three steps; rank 1's logits times ``poison`` in step 2 only."""
-    from flatshard.train.data import endless
-    from flatshard.train.trainer import train_loop
+    from flatshard.tools.train.data import endless
+    from flatshard.tools.train.trainer import train_loop
 
     run = _tiny_run(policy, dtype, docs, out)
     run.stream = endless(run.sampler)

@@ -1,4 +1,4 @@
-"""The root's tail and the lazy root (engine/root_split.py, engine/lazy_root.py).
+"""The root's tail and the lazy root (features/root_split.py, features/lazy_root.py).
 
 The parity models' roots are below ``LAZY_MIN_BYTES``, so the default keeps them gathered;
 here the threshold is patched to 0 so that every route through the lazy root runs: a tied head
@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 import flatshard as fs
-from flatshard.engine import root_split
-from flatshard.engine.state import get_state
+from flatshard.core.state import get_state
+from flatshard.features import root_split
 from parity_models import (
     Block,
     TinyGPT,

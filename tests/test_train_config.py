@@ -6,16 +6,16 @@ import dataclasses
 
 import pytest
 
-from flatshard.train.cli import parse_config
-from flatshard.train.config import SECTIONS, OptimConfig, TrainConfig
-from flatshard.train.config_io import (
+from flatshard.tools.train.cli import parse_config
+from flatshard.tools.train.config import SECTIONS, OptimConfig, TrainConfig
+from flatshard.tools.train.config_io import (
     apply_overrides,
     field_docs,
     from_dict,
     load_toml,
     to_toml,
 )
-from flatshard.train.resolve import gpt_config, resolve
+from flatshard.tools.train.resolve import gpt_config, resolve
 
 
 def test_every_field_has_a_docstring():
@@ -120,7 +120,7 @@ def test_gpt_config_applies_overrides():
 
 
 def test_cli_reports_config_errors(capsys):
-    from flatshard.train.cli import main
+    from flatshard.tools.train.cli import main
 
     assert main(["--optim.nope", "1"]) == 2
     err = capsys.readouterr().err
@@ -132,7 +132,7 @@ def test_cli_reports_config_errors(capsys):
 def test_cli_checks_optional_packages_before_launching(capsys, tmp_path):
     import importlib.util
 
-    from flatshard.train.cli import main
+    from flatshard.tools.train.cli import main
 
     if importlib.util.find_spec("tensorboard") is not None:
         pytest.skip("tensorboard is installed")

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from flatshard.train.cli import main
-from flatshard.train.config import DataConfig
-from flatshard.train.data import (
+from flatshard.tools.train.cli import main
+from flatshard.tools.train.config import DataConfig
+from flatshard.tools.train.data import (
     TOKENIZER,
     load_corpus,
     make_sampler,

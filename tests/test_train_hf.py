@@ -24,7 +24,7 @@ TRAIN = [
 def _train(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "flatshard.cli", "train", *TRAIN, *args]
+    cmd = [sys.executable, "-m", "flatshard.tools.cli", "train", *TRAIN, *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
 
 
@@ -123,7 +123,7 @@ def test_packed_rows_do_not_attend_across_documents(tmp_path, arch):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from flatshard.train import hf_model
+    from flatshard.tools.train import hf_model
 
     Packed = namedtuple("Packed", "input_ids position_ids")  # the fields logits() reads
 

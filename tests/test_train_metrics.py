@@ -10,11 +10,11 @@ import sys
 import pytest
 import torch
 
-from flatshard.train.build import warmup_cosine
-from flatshard.train.checkpointing import CheckpointManager, refuse_to_mix
-from flatshard.train.config import OptimConfig
-from flatshard.train.launcher import first_host, launched_externally, slurm_environment
-from flatshard.train.metrics import (
+from flatshard.tools.train.build import warmup_cosine
+from flatshard.tools.train.checkpointing import CheckpointManager, refuse_to_mix
+from flatshard.tools.train.config import OptimConfig
+from flatshard.tools.train.launcher import first_host, launched_externally, slurm_environment
+from flatshard.tools.train.metrics import (
     MetricsLog,
     format_line,
     peak_flops,
@@ -78,7 +78,7 @@ def test_memory_and_peak_flops_on_cpu():
 
 def test_plots_are_written(tmp_path):
     pytest.importorskip("matplotlib")
-    from flatshard.train.plots import write_plots
+    from flatshard.tools.train.plots import write_plots
 
     rows = [_row(s, loss=5 - s / 10, val_loss=4.0 if s % 5 == 0 else None) for s in range(1, 11)]
     assert write_plots(rows, tmp_path, title="t", memory_kind="peak RSS, CPU") == ""

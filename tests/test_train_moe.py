@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from flatshard.train.cli import main, parse_config
-from flatshard.train.resolve import gpt_config, moe_config
+from flatshard.tools.train.cli import main, parse_config
+from flatshard.tools.train.resolve import gpt_config, moe_config
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
 from fault_common import metrics, run_train, write_inputs  # the shared tiny config, a small corpus

@@ -24,9 +24,9 @@ import torch
 
 from flatshard.models import GPT, GPTConfig
 from flatshard.packing import collate
-from flatshard.train.cli import main, parse_config
-from flatshard.train.pipeline import stage_indices
-from flatshard.train.pipeline_stage import GPTStage, cu_seqlens_from_positions, layer_split
+from flatshard.tools.train.cli import main, parse_config
+from flatshard.tools.train.pipeline import stage_indices
+from flatshard.tools.train.pipeline_stage import GPTStage, cu_seqlens_from_positions, layer_split
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
 from fault_common import metrics, run_train, write_inputs  # the shared tiny config, a small corpus

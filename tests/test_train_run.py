@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from flatshard.train.cli import parse_config
-from flatshard.train.config_io import load_toml
-from flatshard.train.resolve import resolve
+from flatshard.tools.train.cli import parse_config
+from flatshard.tools.train.config_io import load_toml
+from flatshard.tools.train.resolve import resolve
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
 from fault_common import TINY_TOML  # the one tiny-run config, shared with bench/
@@ -42,7 +42,7 @@ def _train(*args: str) -> subprocess.CompletedProcess:
         if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK") and not k.startswith("SLURM_")
     }
     env["OMP_NUM_THREADS"] = "1"  # fmt: skip
-    cmd = [sys.executable, "-m", "flatshard.cli", "train", *args]
+    cmd = [sys.executable, "-m", "flatshard.tools.cli", "train", *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
 
 
@@ -110,7 +110,7 @@ def test_fresh_run_into_old_checkpoints_is_refused(runs):
 # hidden: ``None`` in sys.modules makes every ``import matplotlib...`` raise ModuleNotFoundError.
 _NO_MATPLOTLIB = (
     "import sys; sys.modules['matplotlib'] = None; "
-    "from flatshard.train.cli import main; sys.exit(main(sys.argv[1:]))"
+    "from flatshard.tools.train.cli import main; sys.exit(main(sys.argv[1:]))"
 )
 
 

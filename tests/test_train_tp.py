@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from flatshard.train.cli import main, parse_config
-from flatshard.train.config import ParallelConfig
-from flatshard.train.config_io import load_toml
+from flatshard.tools.train.cli import main, parse_config
+from flatshard.tools.train.config import ParallelConfig
+from flatshard.tools.train.config_io import load_toml
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
 from fault_common import write_inputs  # the shared tiny config and a small JSONL corpus
@@ -43,7 +43,7 @@ def _train(*args: str) -> subprocess.CompletedProcess:
         and not k.startswith("SLURM_")
     }
     env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "flatshard.cli", "train", *args]
+    cmd = [sys.executable, "-m", "flatshard.tools.cli", "train", *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
 
 

@@ -30,7 +30,7 @@ RUN = [
 
 
 def _train(out: Path, *args: str) -> list[float]:
-    cmd = [sys.executable, "-m", "flatshard.cli", "train", *RUN, "--out", str(out), *args]
+    cmd = [sys.executable, "-m", "flatshard.tools.cli", "train", *RUN, "--out", str(out), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     lines = (out / "metrics.jsonl").read_text().splitlines()

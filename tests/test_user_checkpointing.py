@@ -14,7 +14,7 @@ import torch
 
 import flatshard as fs
 from checkpoint_routes import ROUTES
-from flatshard.engine.state import get_state
+from flatshard.core.state import get_state
 from parity_models import TinyGPT, check_parity, train_parity
 
 TORCH_ROUTES = [r for r in ROUTES if not r.startswith("hf_") and r != "none"]
@@ -119,7 +119,7 @@ def case_step_costs(routes: list[str], model_name: str = "tiny", size: tuple = (
     """Per route, on the second step: collectives, MLP forward runs, and live tensor bytes
     (gathered buffers excluded) at the end of forward and at the peak of the step, and the
     peak of gathered bytes."""
-    from flatshard.estimate.measure import LiveBytes
+    from flatshard.tools.estimate.measure import LiveBytes
 
     out = {}
     for route in routes:

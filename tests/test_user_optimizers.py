@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import flatshard as fs
-from flatshard.params import is_fragment
+from flatshard.core.params import is_fragment
 from parity_models import CASES, check_parity, train_parity
 
 STEPS = 4

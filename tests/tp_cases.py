@@ -219,7 +219,7 @@ def _shard(model: Model, spec: dict, mesh, dp_mesh) -> None:
     mp = fs.MixedPrecision(param_dtype=torch.bfloat16) if spec.get("bf16") else None
     where = mesh if spec.get("whole_mesh") else dp_mesh
     strategy = spec.get("strategy", "hybrid_shard" if spec.get("hybrid") else "full_shard")
-    from flatshard.engine import root_split
+    from flatshard.features import root_split
 
     saved_min = root_split.LAZY_MIN_BYTES
     root_split.LAZY_MIN_BYTES = spec.get("lazy_min_bytes", saved_min)  # a tiny root made lazy

@@ -70,7 +70,7 @@ def train(spec: dict) -> dict:
     if how != "after":
         _compile_blocks(model, how, fullgraph)
     if spec.get("settle"):  # flatshard's fix, lent to FSDP2 by hand
-        from flatshard.engine.compile_boundary import register_settling
+        from flatshard.features.compile_boundary import register_settling
 
         register_settling(list(model.blocks))
     T._shard(model, spec, mesh, dp_mesh)
@@ -118,7 +118,7 @@ def async_probe() -> dict[str, bool]:
     every ParallelStyle hands on)? And once settled by flatshard's ``_Settled``?"""
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
-    from flatshard.engine.compile_boundary import _Settled
+    from flatshard.features.compile_boundary import _Settled
 
     mesh = T.mesh_of((2, 2), ("dp", "tp"))["tp"]
     torch._dynamo.reset()

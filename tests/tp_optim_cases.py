@@ -30,8 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 import flatshard as fs
-from flatshard.engine.tensor_parallel import local_part
-from flatshard.params import fragment_tag
+from flatshard.core.params import fragment_tag
+from flatshard.parallel.tensor import local_part
 from tp_cases import FFN, SEQ, VOCAB, Block, build, loss_of, mesh_of, parallelize
 from tp_cases import rel_err as _rel_err
 

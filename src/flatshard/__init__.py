@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 # every ``import flatshard``. ``fs.shard`` and the rest load exactly what they need.
 _WHERE = {
     "no_sync": "accumulate",
-    "checkpoint_activations": "activation_checkpoint",
+    "checkpoint_activations": "features.activation_checkpoint",
     "ShardingStrategy": "api",
     "shard": "api",
     "SaveHandle": "checkpoint",
@@ -28,8 +28,8 @@ _WHERE = {
     "save": "checkpoint",
     "save_pretrained": "checkpoint",
     "Coalesce": "coalesce",
-    "clip_grad_norm_": "grad_norm",
-    "GradScaler": "grad_scaler",
+    "clip_grad_norm_": "optim.grad_norm",
+    "GradScaler": "optim.grad_scaler",
     "MemoryStats": "introspect",
     "UnitInfo": "introspect",
     "comm_stats": "introspect",
@@ -38,27 +38,26 @@ _WHERE = {
     "units": "introspect",
     "register_method": "methods",
     "CPUOffload": "offload",
-    "pipeline_step": "pipeline",
-    "tie_across_stages": "pipeline_tied",
-    "full_optimizer_state_dict": "optim_state",
-    "load_full_optimizer_state_dict": "optim_state",
-    "FragmentInfo": "params",
-    "fragment_info": "params",
-    "full_shape": "params",
+    "pipeline_step": "parallel.pipeline_step",
+    "tie_across_stages": "parallel.pipeline_tied",
+    "full_optimizer_state_dict": "checkpoint.optim_state",
+    "load_full_optimizer_state_dict": "checkpoint.optim_state",
+    "FragmentInfo": "core.params",
+    "fragment_info": "core.params",
+    "full_shape": "core.params",
     "MixedPrecision": "precision",
     "Prefetch": "prefetch",
-    "full_state_dict": "state_dict",
-    "load_full_state_dict": "state_dict",
-    "summon_full_params": "state_dict",
+    "full_state_dict": "checkpoint.full_state",
+    "load_full_state_dict": "checkpoint.full_state",
+    "summon_full_params": "checkpoint.full_state",
 }
 _SUBPACKAGES = ("optim", "wrap")
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
-    from . import optim, wrap
-    from .accumulate import no_sync
-    from .activation_checkpoint import checkpoint_activations
-    from .api import ShardingStrategy, shard
-    from .checkpoint import (
+    from flatshard import optim, wrap
+    from flatshard.accumulate import no_sync
+    from flatshard.api import ShardingStrategy, shard
+    from flatshard.checkpoint import (
         SaveHandle,
         export_checkpoint,
         export_safetensors,
@@ -68,19 +67,34 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
         save,
         save_pretrained,
     )
-    from .coalesce import Coalesce
-    from .grad_norm import clip_grad_norm_
-    from .grad_scaler import GradScaler
-    from .introspect import MemoryStats, UnitInfo, comm_stats, is_sharded, memory_stats, units
-    from .methods import register_method
-    from .offload import CPUOffload
-    from .optim_state import full_optimizer_state_dict, load_full_optimizer_state_dict
-    from .params import FragmentInfo, fragment_info, full_shape
-    from .pipeline import pipeline_step
-    from .pipeline_tied import tie_across_stages
-    from .precision import MixedPrecision
-    from .prefetch import Prefetch
-    from .state_dict import full_state_dict, load_full_state_dict, summon_full_params
+    from flatshard.checkpoint.full_state import (
+        full_state_dict,
+        load_full_state_dict,
+        summon_full_params,
+    )
+    from flatshard.checkpoint.optim_state import (
+        full_optimizer_state_dict,
+        load_full_optimizer_state_dict,
+    )
+    from flatshard.coalesce import Coalesce
+    from flatshard.core.params import FragmentInfo, fragment_info, full_shape
+    from flatshard.features.activation_checkpoint import checkpoint_activations
+    from flatshard.introspect import (
+        MemoryStats,
+        UnitInfo,
+        comm_stats,
+        is_sharded,
+        memory_stats,
+        units,
+    )
+    from flatshard.methods import register_method
+    from flatshard.offload import CPUOffload
+    from flatshard.optim.grad_norm import clip_grad_norm_
+    from flatshard.optim.grad_scaler import GradScaler
+    from flatshard.parallel.pipeline_step import pipeline_step
+    from flatshard.parallel.pipeline_tied import tie_across_stages
+    from flatshard.precision import MixedPrecision
+    from flatshard.prefetch import Prefetch
 
 
 def __getattr__(name: str) -> Any:

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 from torch import nn
 
-from .engine.state import StateMode, get_state
+from flatshard.core.state import StateMode, get_state
 
 KEEP_MODES = ("unsharded", "sharded")
 

@@ -1,10 +1,10 @@
 """``fs.shard``: turn a module into a fully sharded one, in place.
 
-The steps, each owned elsewhere: the arguments are checked (``shard_options.py``), the strategy
-and mesh become a ``Topology`` (``engine/mesh.py``), the policy a wrap plan (``wrap.py``); the
+The steps, each owned elsewhere: the arguments are checked (``core/options.py``), the strategy
+and mesh become a ``Topology`` (``core/mesh.py``), the policy a wrap plan (``wrap.py``); the
 ranks of the mesh agree on all of it (``comm/fingerprint.py``); the units and their state are
-built (``engine/build.py``); the parameters become fragments (``params.py``) and the hooks go
-on (``engine/hooks.py``).
+built (``core/build.py``); the parameters become fragments (``core/params.py``) and the hooks go
+on (``core/hooks.py``).
 """
 
 from __future__ import annotations
@@ -13,23 +13,23 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .coalesce import Coalesce
-from .comm.fingerprint import check_ranks_agree
-from .engine import hooks
-from .engine.build import build_state, describe, wrap_plan
-from .engine.mesh import require_initialized, resolve_topology
-from .engine.meta_init import InitFn
-from .engine.state import STATE_ATTR, ShardedState, get_state  # noqa: F401 (re-exported)
-from .engine.strategy import ShardingStrategy
-from .engine.tensor_parallel import data_parallel_mesh, tp_groups
-from .offload import CPUOffload
-from .optim.guard import guard_optimizers
-from .params import tag_fragments
-from .precision import MixedPrecision
-from .prefetch import Prefetch
-from .shard_options import parse_options
-from .switches import Switches
-from .wrap import Policy
+from flatshard.coalesce import Coalesce
+from flatshard.comm.fingerprint import check_ranks_agree
+from flatshard.core import hooks
+from flatshard.core.build import build_state, describe, wrap_plan
+from flatshard.core.mesh import require_initialized, resolve_topology
+from flatshard.core.meta_init import InitFn
+from flatshard.core.options import parse_options
+from flatshard.core.params import tag_fragments
+from flatshard.core.state import STATE_ATTR, ShardedState, get_state  # noqa: F401 (re-exported)
+from flatshard.core.strategy import ShardingStrategy
+from flatshard.core.switches import Switches
+from flatshard.offload import CPUOffload
+from flatshard.optim.guard import guard_optimizers
+from flatshard.parallel.tensor import data_parallel_mesh, tp_groups
+from flatshard.precision import MixedPrecision
+from flatshard.prefetch import Prefetch
+from flatshard.wrap import Policy
 
 __all__ = ["ShardingStrategy", "get_state", "shard"]
 
@@ -58,7 +58,7 @@ def shard(
     every parameter: build the optimizer afterwards. Every collective of the model runs on the
     ranks of ``mesh`` only (a 1-D mesh or group; a 2-D (replicate, shard) mesh for
     ``hybrid_shard``). The other arguments are documented field by field on
-    ``flatshard.shard_options.ShardOptions``: ``strategy``, ``mixed_precision``, ``offload``,
+    ``flatshard.core.options.ShardOptions``: ``strategy``, ``mixed_precision``, ``offload``,
     ``timeout_s``, ``init_fn`` (a model built under ``torch.device("meta")`` is materialised
     unit by unit), ``prefetch``, ``reshard_root``, ``coalesce``, ``split_root``.
     """

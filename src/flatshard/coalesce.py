@@ -9,7 +9,7 @@ MIB = 1 << 20
 
 @dataclass(frozen=True)
 class Coalesce:
-    """Coalescing of small units (see [Note: coalesced units] in ``engine/buckets.py``).
+    """Coalescing of small units (see [Note: coalesced units] in ``features/buckets.py``).
 
     A collective costs a fixed latency (a few hundred microseconds on Gloo, tens on NCCL)
     besides its bytes, so a model of many small units is latency-bound. Units that run one

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .engine.buckets import gathered_bytes
-from .engine.state import STATE_ATTR, ShardedState, get_state
-from .engine.unit import ParamState, Unit
+from flatshard.core.state import STATE_ATTR, ShardedState, get_state
+from flatshard.core.unit import ParamState, Unit
+from flatshard.features.buckets import gathered_bytes
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -13,9 +13,9 @@ import functools
 
 from torch import nn
 
-from .engine import hooks
-from .engine.state import get_state
-from .engine.unit import Unit
+from flatshard.core import hooks
+from flatshard.core.state import get_state
+from flatshard.core.unit import Unit
 
 
 def register_method(model: nn.Module, name: str, *, submodule: nn.Module | None = None) -> None:

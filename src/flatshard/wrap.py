@@ -3,7 +3,7 @@
 A policy is any ``callable(module) -> bool``. Matched modules become units bottom-up (a matched
 module nested in another matched module is its own unit); everything left belongs to the root unit.
 A policy may also return a ``DeviceMesh`` (or ``ProcessGroup``) for a module: that module becomes a
-unit sharded over that mesh instead of the model's (per-unit meshes, see engine/unit_mesh.py).
+unit sharded over that mesh instead of the model's (per-unit meshes, see parallel/unit_mesh.py).
 
 [Note: ownership of shared parameters]
 A parameter object registered in several modules (tied embeddings, a weight shared between two

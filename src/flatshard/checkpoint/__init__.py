@@ -5,12 +5,12 @@ checkpoint loads at any world size and wrap plan; saves are atomic and verified;
 unpickles foreign code. See docs/checkpoints.md.
 """
 
-from .commit import latest_checkpoint
-from .exporting import export_checkpoint, export_safetensors
-from .full_file import load_full_state_dict_from_file
-from .loader import load
-from .pretrained import save_pretrained
-from .saver import SaveHandle, save
+from flatshard.checkpoint.commit import latest_checkpoint
+from flatshard.checkpoint.exporting import export_checkpoint, export_safetensors
+from flatshard.checkpoint.full_file import load_full_state_dict_from_file
+from flatshard.checkpoint.loader import load
+from flatshard.checkpoint.pretrained import save_pretrained
+from flatshard.checkpoint.saver import SaveHandle, save
 
 __all__ = [
     "SaveHandle",

@@ -3,7 +3,7 @@
 Checkpoints involve every rank of the model's mesh, as ``fs.full_state_dict`` does: with
 replication (``hybrid_shard``, ``no_shard``) the shard group alone does not reach the replicas,
 and DCP needs every writer in one plan. So they run over ``Topology.mesh_group`` (every rank of
-the mesh, see engine/mesh.py), never over the default group: a model that is one stage of a
+the mesh, see core/mesh.py), never over the default group: a model that is one stage of a
 pipeline, or one of two models of a job, saves and loads without the other ranks.
 """
 
@@ -17,7 +17,7 @@ from torch import nn
 
 def model_group(model: nn.Module) -> dist.ProcessGroup:
     """The group ``model``'s checkpoints run over: every rank of its mesh (module docstring)."""
-    from ..engine.state import get_state
+    from flatshard.core.state import get_state
 
     state = get_state(model)
     # With tensor parallelism every tp rank writes its own blocks: the plan spans dp x tp.

@@ -27,7 +27,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from .safety import describe_file
+from flatshard.checkpoint.safety import describe_file
 
 MANIFEST = "MANIFEST.json"
 DESCRIPTION = "flatshard.json"

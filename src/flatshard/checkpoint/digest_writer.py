@@ -30,7 +30,7 @@ from pathlib import Path
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from .safety import describe_file
+from flatshard.checkpoint.safety import describe_file
 
 DATA_SUFFIX = ".distcp"
 WRITEBACK_BYTES = 1 << 20  # after a write at least this large, start its writeback

@@ -20,16 +20,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..engine.masters import master_views
-from ..engine.state import ShardedState, get_state
-from ..engine.tensor_parallel import full_tensor
-from ..params import fragment_tag
-from ..placed_state import gather_placed, has_own_mesh
-from . import agree
-from .layout import ModelLayout, dtype_from_name, model_layout
-from .planner import Item
-from .reading import Opened, open_checkpoint, read_tensors, verify_files
-from .safetensors_io import StreamingSafetensorsWriter
+from flatshard.checkpoint import agree
+from flatshard.checkpoint.contents import ModelLayout, dtype_from_name, model_layout
+from flatshard.checkpoint.planner import Item
+from flatshard.checkpoint.reading import Opened, open_checkpoint, read_tensors, verify_files
+from flatshard.checkpoint.safetensors_io import StreamingSafetensorsWriter
+from flatshard.core.masters import master_views
+from flatshard.core.params import fragment_tag
+from flatshard.core.state import ShardedState, get_state
+from flatshard.parallel.placed_state import gather_placed, has_own_mesh
+from flatshard.parallel.tensor import full_tensor
 
 DEFAULT_BATCH_BYTES = 256 << 20
 EXPORT_METADATA = {"format": "pt", "producer": "flatshard"}
@@ -122,7 +122,7 @@ def write_unit(writer, error, views: dict, keys: list[str], layout: ModelLayout)
 
 def _write_placed(model, state, unit, views, keys, layout, writer, error) -> str | None:
     """A unit on its own mesh (experts): every rank sends its blocks, the model's first rank
-    writes each of ``keys`` as the global tensor (see placed_state.py)."""
+    writes each of ``keys`` as the global tensor (see parallel/placed_state.py)."""
     sources = {key: layout.aliases.get(key, key) for key in keys}
     where = []
     for source in dict.fromkeys(sources.values()):

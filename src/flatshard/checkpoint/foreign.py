@@ -27,10 +27,10 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from . import agree, commit, safety
-from .layout import ModelLayout, model_layout, optimizer_params
-from .planner import Item, Sharded
-from .reading import Opened, read_tensors
+from flatshard.checkpoint import agree, commit, safety
+from flatshard.checkpoint.contents import ModelLayout, model_layout, optimizer_params
+from flatshard.checkpoint.planner import Item, Sharded
+from flatshard.checkpoint.reading import Opened, read_tensors
 
 DCP_METADATA = ".metadata"
 ACCELERATE_MODEL, ACCELERATE_OPTIM = "pytorch_model_fsdp_0", "optimizer_0"

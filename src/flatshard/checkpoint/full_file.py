@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..engine.state import get_state
-from ..state_dict import load_full_state_dict
-from . import agree
-from .layout import model_layout
+from flatshard.checkpoint import agree
+from flatshard.checkpoint.contents import model_layout
+from flatshard.checkpoint.full_state import load_full_state_dict
+from flatshard.core.state import get_state
 
 
 class FileTensors(Mapping):

@@ -18,11 +18,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..engine.state import get_state
-from . import agree, commit, jsonable, parts, restore
-from .layout import ModelLayout, model_layout, optimizer_params
-from .reading import Opened, open_checkpoint, read_tensors, verify_files
-from .saver import session_of
+from flatshard.checkpoint import agree, commit, jsonable, parts, restore
+from flatshard.checkpoint.contents import ModelLayout, model_layout, optimizer_params
+from flatshard.checkpoint.reading import Opened, open_checkpoint, read_tensors, verify_files
+from flatshard.checkpoint.saver import session_of
+from flatshard.core.state import get_state
 
 
 def _problem(
@@ -135,7 +135,7 @@ def _optimizer_description(description: dict) -> dict | None:
 
 
 def _is_other_dir(path: Path) -> bool:
-    from . import foreign, sliced  # they build on this module
+    from flatshard.checkpoint import foreign, sliced  # they build on this module
 
     return sliced.is_pretrained_dir(path) or foreign.is_foreign(path)
 
@@ -143,7 +143,7 @@ def _is_other_dir(path: Path) -> bool:
 def _load_other_format(path: Path, model: nn.Module, optimizer, strict: bool) -> dict | None:
     """Weights (a file or a save_pretrained directory) or a foreign DCP directory loaded into
     ``model``; ``None`` if ``path`` is a flatshard checkpoint."""
-    from . import foreign, sliced  # they build on this module
+    from flatshard.checkpoint import foreign, sliced  # they build on this module
 
     state = get_state(model)
     if path.is_file() or sliced.is_pretrained_dir(path):  # weights only
@@ -164,8 +164,8 @@ def _load_weights(path: Path, model: nn.Module, optimizer, strict: bool) -> dict
             f"fs.load({str(path)!r}, optimizer=...): weights hold no optimizer state; load "
             "them without optimizer= (or pass a checkpoint directory)"
         )
-    from . import sliced
-    from .full_file import load_full_state_dict_from_file
+    from flatshard.checkpoint import sliced
+    from flatshard.checkpoint.full_file import load_full_state_dict_from_file
 
     if path.is_dir() or path.suffix == ".safetensors":
         return sliced.load_sliced(path, model)

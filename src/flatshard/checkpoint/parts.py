@@ -22,9 +22,9 @@ whole model:
 * **Loading** with ``across`` checks the checkpoint against the names of every stage of the
   pipeline (an entry no stage holds is "unexpected"); each rank reads its stages' pieces.
 * **Tied weights** (an embedding on the first stage, its copy as the head on the last, see
-  pipeline_tied.py): a tied model writes the weight and its optimizer state under every name
-  (layout.py), so the last stage reads ``head.weight`` from its own keys; a tied model reading
-  a pipeline's checkpoint takes the first name and treats the other as its alias.
+  parallel/pipeline_tied.py): a tied model writes the weight and its optimizer state under every
+  name (contents.py), so the last stage reads ``head.weight`` from its own keys; a tied model
+  reading a pipeline's checkpoint takes the first name and treats the other as its alias.
 
 So ``fs.save`` at pp 2 x dp 2 loads at dp 4 without a pipeline (``fs.load(path, model=m)``),
 and a dp 4 checkpoint loads into pp 2 x dp 2 stages, at any world size and wrap plan.
@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..engine.mesh import members_group
-from . import agree
-from .layout import ModelLayout, model_layout
+from flatshard.checkpoint import agree
+from flatshard.checkpoint.contents import ModelLayout, model_layout
+from flatshard.core.mesh import members_group
 
 
 def as_list(value, what: str) -> list:

@@ -60,7 +60,7 @@ class Sharded:
     shape: torch.Size | None = None
     # A tensor-parallel parameter: ``start``/``numel``/``shape`` describe its TP-local block,
     # which sits at ``origin`` of the global tensor of shape ``whole_shape`` (see
-    # [Note: tensor-parallel parameters] in engine/tensor_parallel.py).
+    # [Note: tensor-parallel parameters] in parallel/tensor.py).
     whole_shape: torch.Size | None = None
     origin: tuple[int, ...] | None = None
 

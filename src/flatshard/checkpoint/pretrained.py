@@ -21,13 +21,19 @@ from pathlib import Path
 
 from torch import nn
 
-from ..engine.masters import master_views
-from ..engine.state import get_state
-from ..engine.unit_mesh import refuse_unit_meshes
-from . import agree
-from .exporting import full_views, header_entry, unit_keys_of, write_unit, writes_files
-from .layout import model_layout
-from .safetensors_io import StreamingSafetensorsWriter
+from flatshard.checkpoint import agree
+from flatshard.checkpoint.contents import model_layout
+from flatshard.checkpoint.exporting import (
+    full_views,
+    header_entry,
+    unit_keys_of,
+    write_unit,
+    writes_files,
+)
+from flatshard.checkpoint.safetensors_io import StreamingSafetensorsWriter
+from flatshard.core.masters import master_views
+from flatshard.core.state import get_state
+from flatshard.parallel.unit_mesh import refuse_unit_meshes
 
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 SIZE_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
@@ -175,8 +181,8 @@ def export_pretrained(
     """A flatshard checkpoint directory -> a ``from_pretrained`` directory, in this process.
     ``config``: the model's ``config.json`` or a directory holding it (and possibly
     ``generation_config.json``), e.g. the model's original ``save_pretrained`` directory."""
-    from .exporting import in_batches, read_full, saved_entry
-    from .reading import open_checkpoint, verify_files
+    from flatshard.checkpoint.exporting import in_batches, read_full, saved_entry
+    from flatshard.checkpoint.reading import open_checkpoint, verify_files
 
     opened = open_checkpoint(ckpt)
     if problem := verify_files(opened, opened.data_files):

@@ -21,8 +21,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from . import agree, commit, restore, safety
-from .planner import FlatLoadPlanner, VerifiedReader
+from flatshard.checkpoint import agree, commit, restore, safety
+from flatshard.checkpoint.planner import FlatLoadPlanner, VerifiedReader
 
 PICKLED = "optimizer.param_groups."  # the only entries of ours that are not tensors
 

@@ -1,4 +1,4 @@
-"""Load side of layout.py: check a checkpoint against the model, build the DCP targets, and put
+"""Load side of contents.py: check a checkpoint against the model, build the DCP targets, and put
 the loaded optimizer state back by parameter name.
 
 Parameters and buffers are read straight into the fragments and buffers (DCP copies into
@@ -15,9 +15,9 @@ import json
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from . import jsonable
-from .layout import ModelLayout, dtype_from_name, optim_key, optimizer_params
-from .planner import Item, Sharded
+from flatshard.checkpoint import jsonable
+from flatshard.checkpoint.contents import ModelLayout, dtype_from_name, optim_key, optimizer_params
+from flatshard.checkpoint.planner import Item, Sharded
 
 
 def model_problem(

@@ -28,11 +28,16 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..engine.state import get_state
-from . import agree, commit, jsonable, parts
-from .digest_writer import DigestWriter
-from .layout import describe_model, model_items, model_layout, optimizer_entries
-from .planner import FlatSavePlanner, Item, Pickled, Sharded
+from flatshard.checkpoint import agree, commit, jsonable, parts
+from flatshard.checkpoint.contents import (
+    describe_model,
+    model_items,
+    model_layout,
+    optimizer_entries,
+)
+from flatshard.checkpoint.digest_writer import DigestWriter
+from flatshard.checkpoint.planner import FlatSavePlanner, Item, Pickled, Sharded
+from flatshard.core.state import get_state
 
 SESSION_ATTR = "_flatshard_checkpoint"
 

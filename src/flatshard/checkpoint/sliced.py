@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..params import fragment_tag
-from . import agree, safetensors_io
-from .layout import ModelLayout, ParamInfo, model_layout
-from .planner import rectangles
+from flatshard.checkpoint import agree, safetensors_io
+from flatshard.checkpoint.contents import ModelLayout, ParamInfo, model_layout
+from flatshard.checkpoint.planner import rectangles
+from flatshard.core.params import fragment_tag
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

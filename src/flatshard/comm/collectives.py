@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import gloo_p2p, watchdog
-from .debug import OpChecker
+from flatshard.comm import gloo_p2p, watchdog
+from flatshard.comm.debug import OpChecker
 
 # torch 2.13 renamed the tensor collectives (the old names warn); torch 2.6 has only the old.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

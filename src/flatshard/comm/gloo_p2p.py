@@ -44,7 +44,7 @@ MAX_P2P_WORLD = 8  # beyond one host's worth of ranks, Gloo's own ring algorithm
 
 def p2p_enabled(group: dist.ProcessGroup, allowed: bool = True) -> bool:
     """Use the point-to-point algorithms for this group? Gloo groups of 2..8 ranks, when
-    ``allowed`` (the model's ``FLATSHARD_GLOO_P2P`` switch, see ``flatshard.switches``)."""
+    ``allowed`` (the model's ``FLATSHARD_GLOO_P2P`` switch, see ``flatshard.core.switches``)."""
     if not allowed:
         return False
     return dist.get_backend(group) == "gloo" and 2 <= dist.get_world_size(group) <= MAX_P2P_WORLD
@@ -116,7 +116,7 @@ def reduce_scatter_sum(out: torch.Tensor, full: torch.Tensor, group: dist.Proces
 
 
 # ---- reduce-scatter straight from per-parameter gradients ----------------------------------------
-# (offset in the chunk, length, parameter index, offset in it): engine/layout.py chunk_spans
+# (offset in the chunk, length, parameter index, offset in it): core/layout.py chunk_spans
 Span = tuple[int, int, int, int]
 
 

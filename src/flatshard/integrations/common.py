@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import api, wrap
-from ..introspect import is_sharded
+from flatshard import api, wrap
+from flatshard.introspect import is_sharded
 
 
 def no_split_policy(model: nn.Module) -> Any:

@@ -188,7 +188,7 @@ class Experts(nn.Module):
     def flatshard_placement(self) -> dict[str, tuple[int, int, int]]:
         """Where this rank's experts sit among all ``n_total``: slice ``[first, first +
         n_local)`` of dim 0 of every stacked weight (flatshard's checkpoints read it; see
-        [Note: per-unit meshes] in flatshard/engine/unit_mesh.py)."""
+        [Note: per-unit meshes] in flatshard/parallel/unit_mesh.py)."""
         names = ("w1", "w2", "w3")
         return {n: (0, self.first, self.n_total) for n in names if getattr(self, n) is not None}
 

@@ -14,12 +14,12 @@ gradient, by one owner rank per matrix for Muon, by small all-reduces for Adafac
 Muon and an AdamW for the rest one optimizer (schedulers, ``fs.save``).
 """
 
-from .adafactor import Adafactor
-from .combined import Combined
-from .groups import muon_split, param_groups
-from .kahan import AdamWKahan
-from .muon import Muon
-from .rounding import kahan_add_, stochastic_round
+from flatshard.optim.adafactor import Adafactor
+from flatshard.optim.combined import Combined
+from flatshard.optim.groups import muon_split, param_groups
+from flatshard.optim.kahan import AdamWKahan
+from flatshard.optim.muon import Muon
+from flatshard.optim.rounding import kahan_add_, stochastic_round
 
 __all__ = [
     "Adafactor",

@@ -25,11 +25,11 @@ from typing import Any
 import torch
 from torch.optim.optimizer import ParamsT
 
-from .exchange import all_reduce_sum
-from .factored import Rows, factored_variance, partial_sums, update_factors
-from .tp_stats import block_factors, to_global
-from .whole import WholeParam
-from .whole_optimizer import WholeParamOptimizer
+from flatshard.optim.exchange import all_reduce_sum
+from flatshard.optim.factored import Rows, factored_variance, partial_sums, update_factors
+from flatshard.optim.tp_stats import block_factors, to_global
+from flatshard.optim.whole import WholeParam
+from flatshard.optim.whole_optimizer import WholeParamOptimizer
 
 __all__ = ["Adafactor"]
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm.collectives import PendingWork
-from ..engine.tensor_parallel import TPSpec
-from .whole import Comm
+from flatshard.comm.collectives import PendingWork
+from flatshard.optim.whole import Comm
+from flatshard.parallel.tensor import TPSpec
 
 ALL_TO_ALL = "optim_all_to_all"
 ALL_REDUCE = "optim_all_reduce"

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from ..params import full_shape
+from flatshard.core.params import full_shape
 
 NORM_TYPES: tuple[type[nn.Module], ...] = (
     nn.LayerNorm,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import Optimizer, register_optimizer_step_pre_hook
 
-from ..params import full_shape, is_fragment
+from flatshard.core.params import full_shape, is_fragment
 
 CHECKED = "_flatshard_checked"
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .rounding import kahan_add_, stochastic_round
+from flatshard.optim.rounding import kahan_add_, stochastic_round
 
 ROUNDINGS = ("kahan", "stochastic", "nearest")
 _CHUNK = 1 << 22  # elements per fp32 working chunk (~5 temporaries of 16 MiB each)

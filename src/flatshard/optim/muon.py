@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch.optim.optimizer import ParamsT
 
-from ..params import fragment_tag
-from .muon_rounds import Job, run_jobs
-from .newton_schulz import ADJUST_LR_FNS, EPS, NS_COEFFICIENTS, NS_STEPS
-from .whole_optimizer import WholeParamOptimizer
+from flatshard.core.params import fragment_tag
+from flatshard.optim.muon_rounds import Job, run_jobs
+from flatshard.optim.newton_schulz import ADJUST_LR_FNS, EPS, NS_COEFFICIENTS, NS_STEPS
+from flatshard.optim.whole_optimizer import WholeParamOptimizer
 
 __all__ = ["Muon"]
 

@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from ..comm.collectives import PendingWork
-from ..engine.tensor_parallel import local_part
-from .exchange import all_to_all, gather_over_tp
-from .newton_schulz import adjusted_lr, ns_cost, orthogonalize
-from .whole import Comm, WholeParam, assign_owners, rounds_of
+from flatshard.comm.collectives import PendingWork
+from flatshard.optim.exchange import all_to_all, gather_over_tp
+from flatshard.optim.newton_schulz import adjusted_lr, ns_cost, orthogonalize
+from flatshard.optim.whole import Comm, WholeParam, assign_owners, rounds_of
+from flatshard.parallel.tensor import local_part
 
 WIRE = torch.bfloat16  # torch's Newton–Schulz starts with grad.bfloat16(): lossless to send
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .whole import WholeParam
+from flatshard.optim.whole import WholeParam
 
 
 def _narrowed(ids: torch.Tensor, dims: range, whole: WholeParam) -> torch.Tensor:

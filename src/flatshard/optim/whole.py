@@ -38,10 +38,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..comm.collectives import CommStats
-from ..engine.layout import overlap
-from ..engine.tensor_parallel import TPSpec
-from ..params import fragment_tag
+from flatshard.comm.collectives import CommStats
+from flatshard.core.layout import overlap
+from flatshard.core.params import fragment_tag
+from flatshard.parallel.tensor import TPSpec
 
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=600)
 

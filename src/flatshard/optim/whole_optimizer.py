@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import Optimizer
 
-from .whole import WholeParam, check_one_model, comm_of, whole_param
+from flatshard.optim.whole import WholeParam, check_one_model, comm_of, whole_param
 
 
 class WholeParamOptimizer(Optimizer):

@@ -52,7 +52,7 @@ from torch._C._distributed_c10d import (
     ScatterOptions,
 )
 
-from ._buffers import Watched, overlaps, poison
+from flatshard.testing._buffers import Watched, overlaps, poison
 
 BACKEND = "strict_async"
 _NO_TIMEOUT = datetime.timedelta(0)  # c10d's kNoTimeout

@@ -3,7 +3,7 @@
 Why: on a CPU run flatshard's compute device *is* the host, so ``tensor.device`` cannot show
 that an offloaded tensor reached a collective (ProcessGroupNCCL refuses CPU tensors: "No backend
 type associated with device type cpu"). Under :class:`VirtualDevice` the compute device is
-``COMPUTE = torch.device("cpu", 0)`` (patch ``flatshard.engine.mesh.compute_device`` to return
+``COMPUTE = torch.device("cpu", 0)`` (patch ``flatshard.core.mesh.compute_device`` to return
 it) and every storage carries a tag, ``host`` or ``compute``, kept the way CUDA keeps devices:
 
 - a factory call's result is on its ``device=`` (no device: the host, torch's default);

@@ -10,9 +10,9 @@ Importing this module registers ``strategy="flatshard"`` with both ``lightning.T
 from lightning.fabric.strategies import STRATEGY_REGISTRY as _FABRIC_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry as _TRAINER_REGISTRY
 
-from . import fabric
-from .precision import FabricFlatshardPrecision, FlatshardPrecision
-from .trainer import FlatshardStrategy
+from flatshard.integrations.lightning import fabric
+from flatshard.integrations.lightning.precision import FabricFlatshardPrecision, FlatshardPrecision
+from flatshard.integrations.lightning.trainer import FlatshardStrategy
 
 FabricFlatshardStrategy = fabric.FlatshardStrategy
 

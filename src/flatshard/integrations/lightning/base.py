@@ -33,10 +33,14 @@ from lightning.fabric.utilities.distributed import group as _group
 from lightning_utilities.core.rank_zero import rank_zero_only
 from torch import nn
 
-from ...precision import MixedPrecision
-from .. import common
-from . import tensor_parallel as tp
-from .options import StrategyOptions, collect_options, init_process_group
+from flatshard.integrations import common
+from flatshard.integrations.lightning import tp_setup as tp
+from flatshard.integrations.lightning.options import (
+    StrategyOptions,
+    collect_options,
+    init_process_group,
+)
+from flatshard.precision import MixedPrecision
 
 
 class FlatshardStrategyBase:
@@ -128,7 +132,7 @@ class FlatshardStrategyBase:
 
     def _parallelize_and_shard(self, module: nn.Module, mixed_precision: Any) -> nn.Module:
         """``parallelize_fn`` with the whole mesh, then ``fs.shard`` (over ``mesh["dp"]`` when
-        the module is tensor-parallel); see tensor_parallel.py."""
+        the module is tensor-parallel); see tp_setup.py."""
         if common.is_sharded(module):
             return module
         module = tp.parallelize(

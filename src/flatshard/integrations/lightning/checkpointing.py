@@ -11,9 +11,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ... import checkpoint as fs_checkpoint
-from ...optim_state import full_optimizer_state_dict, load_full_optimizer_state_dict
-from ...state_dict import full_state_dict
+from flatshard import checkpoint as fs_checkpoint
+from flatshard.checkpoint.full_state import full_state_dict
+from flatshard.checkpoint.optim_state import (
+    full_optimizer_state_dict,
+    load_full_optimizer_state_dict,
+)
 
 
 def save(
@@ -63,7 +66,7 @@ def load(
     content = (
         torch.load(path, map_location="cpu", weights_only=True) if dist.get_rank() == 0 else {}
     )
-    from ...state_dict import load_full_state_dict
+    from flatshard.checkpoint.full_state import load_full_state_dict
 
     load_full_state_dict(model, content.pop(keys[0], {}), strict=strict)
     osd = content.pop(keys[1], {}) if dist.get_rank() == 0 else {}

@@ -20,12 +20,12 @@ from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessS
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
 
-from ...accumulate import no_sync
-from ...grad_norm import clip_grad_norm_
-from .. import common
-from . import checkpointing
-from .base import FlatshardStrategyBase
-from .precision import FabricFlatshardPrecision
+from flatshard.accumulate import no_sync
+from flatshard.integrations import common
+from flatshard.integrations.lightning import checkpointing
+from flatshard.integrations.lightning.base import FlatshardStrategyBase
+from flatshard.integrations.lightning.precision import FabricFlatshardPrecision
+from flatshard.optim.grad_norm import clip_grad_norm_
 
 
 class _NoSync(_BackwardSyncControl):

@@ -14,7 +14,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.seed import reset_seed
 
-from ...precision import MixedPrecision
+from flatshard.precision import MixedPrecision
 
 STATE_DICT_TYPES = ("sharded", "full")
 

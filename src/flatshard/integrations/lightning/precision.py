@@ -26,9 +26,9 @@ from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
-from ...grad_norm import clip_grad_norm_
-from ...grad_scaler import GradScaler
-from ...precision import MixedPrecision
+from flatshard.optim.grad_norm import clip_grad_norm_
+from flatshard.optim.grad_scaler import GradScaler
+from flatshard.precision import MixedPrecision
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 _LOW = {"bf16": torch.bfloat16, "16": torch.float16}

@@ -23,12 +23,12 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from ...accumulate import no_sync
-from ...methods import register_method
-from .. import common
-from . import checkpointing
-from .base import FlatshardStrategyBase
-from .precision import FlatshardPrecision
+from flatshard.accumulate import no_sync
+from flatshard.integrations import common
+from flatshard.integrations.lightning import checkpointing
+from flatshard.integrations.lightning.base import FlatshardStrategyBase
+from flatshard.integrations.lightning.precision import FlatshardPrecision
+from flatshard.methods import register_method
 
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 

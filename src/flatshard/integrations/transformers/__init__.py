@@ -6,6 +6,10 @@
 docs/integrations/transformers.md.
 """
 
-from .trainer import FlatshardTrainer, FlatshardTrainerMixin, no_split_policy
+from flatshard.integrations.transformers.trainer import (
+    FlatshardTrainer,
+    FlatshardTrainerMixin,
+    no_split_policy,
+)
 
 __all__ = ["FlatshardTrainer", "FlatshardTrainerMixin", "no_split_policy"]

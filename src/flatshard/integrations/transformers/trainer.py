@@ -21,13 +21,13 @@ import torch
 import transformers
 from torch import nn
 
-from ... import checkpoint as fs_checkpoint
-from ...grad_norm import clip_grad_norm_
-from ...introspect import is_sharded
-from ...precision import MixedPrecision
-from .. import common
-from ..common import no_split_policy
-from .wrapper import ShardedModel
+from flatshard import checkpoint as fs_checkpoint
+from flatshard.integrations import common
+from flatshard.integrations.common import no_split_policy
+from flatshard.integrations.transformers.wrapper import ShardedModel
+from flatshard.introspect import is_sharded
+from flatshard.optim.grad_norm import clip_grad_norm_
+from flatshard.precision import MixedPrecision
 
 FLATSHARD_DIR = "flatshard"
 SCHEDULER_NAME = "scheduler.pt"

@@ -15,7 +15,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn
 
-from ...accumulate import no_sync
+from flatshard.accumulate import no_sync
 
 
 class ShardedModel(nn.Module):

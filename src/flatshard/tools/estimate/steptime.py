@@ -1,0 +1,153 @@
+"""Step time: compute at a given MFU plus the communication that overlap cannot hide.
+
+Volumes are *bus bytes* per rank (nccl-tests' convention): a collective over ``n`` ranks on a
+buffer of ``S`` bytes moves ``S (n-1)/n`` for all-gather and reduce-scatter and ``2 S (n-1)/n``
+for all-reduce, so its time is that volume over the bus bandwidth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flatshard.comm.gloo_p2p import MAX_P2P_WORLD
+from flatshard.tools.estimate.devices import Device
+from flatshard.tools.estimate.schedule import gathered_per_step
+from flatshard.tools.estimate.spec import Layout, ModelSpec, Workload
+from flatshard.tools.estimate.tp_cost import tp_traffic
+from flatshard.tools.estimate.units import Units, plan_units
+
+__all__ = ["StepTime", "estimate_time"]
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One training step of one micro-batch per data-parallel rank, per GPU."""
+
+    flops: float
+    """Model FLOPs per GPU (PaLM's formula, 1/tp of the micro-batch's; x4/3 with activation
+    checkpointing)."""
+    compute_s: float
+    """``flops / (peak * mfu)``."""
+    all_gather_bytes: float
+    """Bus bytes per rank of every gather the step's replay starts (``schedule.py``): under
+    full_shard the root (again in backward for a tied lazy root), its tail once, and every
+    block twice (forward and backward) but those kept into the backward: the last block's
+    bucket, or without a tail the last block."""
+    reduce_scatter_bytes: float
+    all_reduce_bytes: float
+    """no_shard's gradient all-reduce; hybrid_shard's all-reduce of gradient shards."""
+    comm_s: float
+    """All data-parallel communication back to back."""
+    exposed_comm_s: float
+    """What overlap leaves of the data-parallel communication on the critical path."""
+    tp_all_gather_bytes: float
+    """Bus bytes per GPU of the tensor-parallel all-gathers (sequence parallel; 0 at tp 1)."""
+    tp_reduce_scatter_bytes: float
+    """Bus bytes per GPU of the tensor-parallel reduce-scatters (sequence parallel)."""
+    tp_all_reduce_bytes: float
+    """Bus bytes per GPU of the tensor-parallel all-reduces (without sequence parallel)."""
+    tp_comm_s: float
+    """Tensor-parallel communication, all of it on the critical path."""
+    step_s: float
+    """``compute_s + exposed_comm_s + tp_comm_s``."""
+    tokens_per_s: float
+    """Per GPU (a data-parallel rank's tokens over its ``tp`` GPUs)."""
+    mfu: float
+    """Achieved model FLOPs utilisation including exposed communication."""
+
+
+def _volumes(units: Units, layout: Layout) -> tuple[float, float, float]:
+    """(all-gather, reduce-scatter, all-reduce) bus bytes per rank per step."""
+    w, p = layout.shard_world, layout.precision
+    flat = sum(u.pad for u in units.all)  # every unit reduced once (a bucket: the same bytes)
+    gather_elems = gathered_per_step(units, layout) if w > 1 else 0
+    f = (w - 1) / w
+    # Gloo beyond gloo_p2p's ring (more than 8 ranks): an all-reduce of the flat gradient.
+    rs_factor = 2 if layout.backend == "gloo" and w > MAX_P2P_WORLD else 1
+    ag, rs = gather_elems * p.param * f, rs_factor * flat * p.flat * f
+    replicas = layout.world // w
+    ar = 2 * (flat // w) * p.flat * (replicas - 1) / replicas
+    return ag, rs, ar
+
+
+def _links(
+    layout: Layout, device: Device, intra_gbps: float | None, inter_gbps: float | None
+) -> tuple[float, float, float]:
+    """Bus bandwidth (bytes/s) of the dp shard group, the dp replicate group and the tp
+    group. GPUs are numbered tp-innermost (torchtitan's mesh order ``dp, tp``): a tp group is
+    ``tp`` neighbours, a dp group strides by ``tp``, so it stays within a node only when
+    its ranks times ``tp`` GPUs do."""
+    intra = (intra_gbps or device.intra_gbps) * 1e9
+    inter = (inter_gbps or device.inter_gbps) * 1e9
+
+    def link(gpus: int) -> float:
+        return intra if gpus <= device.per_node else inter
+
+    tp = layout.tp
+    return link(layout.shard_world * tp), link(layout.world * tp), link(tp)
+
+
+def _exposed(
+    units: Units, layout: Layout, comm: float, compute: float, overlap: float, shard_bw: float
+) -> float:
+    """The data-parallel communication left on the critical path: the first all-gathers (the
+    root, its tail and the first block or bucket) and the last reduce-scatters (the root and
+    its tail) overlap nothing; ``overlap`` of the rest hides under compute, and whatever
+    exceeds the compute time stays exposed."""
+    f = (layout.shard_world - 1) / layout.shard_world
+    root = units.root.pad + (units.tail.pad if units.tail else 0)
+    block = units.block.pad * len(units.bucket_of(0) or (0,))
+    first = (root + block) * layout.precision.param * f / shard_bw
+    last = root * layout.precision.flat * f / shard_bw
+    rest = max(0.0, comm - first - last)
+    return first + last + (1 - overlap) * rest + max(0.0, overlap * rest - compute)
+
+
+def estimate_time(
+    spec: ModelSpec,
+    layout: Layout,
+    work: Workload,
+    device: Device,
+    *,
+    mfu: float | None = None,
+    intra_gbps: float | None = None,
+    inter_gbps: float | None = None,
+    overlap: float | None = None,
+) -> StepTime:
+    """Step time of one GPU on ``device``: compute, the data-parallel communication that
+    overlap leaves exposed (:func:`_exposed`; ``overlap`` defaults to the device's), and the
+    tensor-parallel collectives, which sit between a block's matmuls and overlap nothing
+    (torchtitan's async TP, which hides part of them, is not modelled)."""
+    mfu = device.mfu if mfu is None else mfu
+    overlap = device.overlap if overlap is None else overlap
+    if not 0 < mfu <= 1 or not 0 <= overlap <= 1:
+        raise ValueError(f"mfu={mfu} must be in (0, 1] and overlap={overlap} in [0, 1]")
+    recompute = 4 / 3 if work.act_ckpt else 1
+    # A tp group shares its micro-batch: each GPU does 1/tp of its matmuls.
+    flops = spec.flops_per_token(work.seq) * work.tokens * recompute / layout.tp
+    peak = device.flops[layout.precision.name]
+    compute = flops / (peak * mfu)
+    shard_bw, replicate_bw, tp_bw = _links(layout, device, intra_gbps, inter_gbps)
+    units = plan_units(spec, layout)
+    ag, rs, ar = _volumes(units, layout)
+    comm = (ag + rs) / shard_bw + ar / replicate_bw
+    exposed = _exposed(units, layout, comm, compute, overlap, shard_bw)
+    tp = tp_traffic(spec, layout, work)
+    tp_s = tp.bus_bytes / tp_bw
+    step = compute + exposed + tp_s
+    return StepTime(
+        flops=flops,
+        compute_s=compute,
+        all_gather_bytes=ag,
+        reduce_scatter_bytes=rs,
+        all_reduce_bytes=ar,
+        comm_s=comm,
+        exposed_comm_s=exposed,
+        tp_all_gather_bytes=tp.all_gather_bytes,
+        tp_reduce_scatter_bytes=tp.reduce_scatter_bytes,
+        tp_all_reduce_bytes=tp.all_reduce_bytes,
+        tp_comm_s=tp_s,
+        step_s=step,
+        tokens_per_s=work.tokens / step / layout.tp,
+        mfu=flops / (peak * step) / recompute,
+    )

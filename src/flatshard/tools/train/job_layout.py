@@ -1,0 +1,19 @@
+"""The job's parallel layout checked once, on every rank and before any worker starts."""
+
+from __future__ import annotations
+
+from flatshard.tools.train.config import TrainConfig
+
+__all__ = ["check_layout"]
+
+
+def check_layout(cfg: TrainConfig, world: int) -> None:
+    """Refuse tp, pp or ep settings this job of ``world`` ranks cannot run (``ValueError``
+    naming the value and the fix)."""
+    from flatshard.tools.train.moe import check_ep
+    from flatshard.tools.train.pipeline import check_pp
+    from flatshard.tools.train.tp_plan import check_tp
+
+    check_tp(cfg, world)
+    check_pp(cfg, world)
+    check_ep(cfg, world)
