@@ -20,6 +20,7 @@ from flatshard.tools.estimate import (
     estimate_time,
     main,
 )
+from flatshard.tools.estimate.efficiency import gemm_slowdown, step_flops
 from flatshard.tools.estimate.tp_cost import local_spec, tp_traffic
 from flatshard.tools.estimate.units import plan_units
 
@@ -196,7 +197,14 @@ def test_step_time_adds_tp_communication_on_the_critical_path():
     one = estimate_time(spec, Layout(8, precision=BF16), work, dev)
     lay = Layout(8, tp=8, precision=BF16)
     t = estimate_time(spec, lay, work, dev)
-    assert t.compute_s == pytest.approx(one.compute_s / 8)  # the micro-batch shared by 8 GPUs
+    assert t.flops == pytest.approx(one.flops / 8)  # the micro-batch shared by 8 GPUs
+    # ... and its 8-times narrower wk/wv (128 columns) are memory-bound on an H100
+    # (efficiency.gemm_slowdown, checked by hand in test_estimate_published.py)
+    assert gemm_slowdown(spec, Layout(8, precision=BF16), work, dev) == 1
+    share = gemm_slowdown(spec, lay, work, dev)
+    f = step_flops(spec, lay, work)
+    expected = one.compute_s / 8 + f.linear * (share - 1) / (989e12 * dev.mfu)
+    assert t.compute_s == pytest.approx(expected)
     tp_bytes = t.tp_all_gather_bytes + t.tp_reduce_scatter_bytes
     assert t.tp_comm_s == pytest.approx(tp_bytes / (dev.intra_gbps * 1e9))  # tp within a node
     assert t.step_s == pytest.approx(t.compute_s + t.exposed_comm_s + t.tp_comm_s)

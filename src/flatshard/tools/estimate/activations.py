@@ -21,6 +21,10 @@ class Activations:
     """One block without checkpointing."""
     block_input: int
     """The block's input, all a checkpointed block keeps."""
+    block_selective: int
+    """What a block keeps under torchtitan's per-op selective AC (``Workload.selective_ac``):
+    its input, the outputs of wq, wv, w1 and w2 (every second matmul), attention's output and
+    log-sum-exp, and with sequence parallelism the two reduce-scatters' outputs."""
     head: int
     """Final norm, ``lm_head`` input and the fp32 log-softmax."""
     fixed: int
@@ -64,9 +68,14 @@ def activations(spec: ModelSpec, layout: Layout, work: Workload) -> Activations:
     if work.attention == "math":  # the softmax probabilities, B x H x T x T
         block += ab * work.batch * spec.heads * work.seq * work.seq
     logits = n * spec.vocab * ab + (n * spec.vocab * FP32 if ab != FP32 else 0)  # + fp32 copy
+    # torchtitan's op policy saves mm outputs 1, 3, 5, 7 of the block: wq, wv, w1, w2
+    saved_mm = spec.q_width + spec.kv_width + f + c
+    scattered = 2 * ns * c * ab if ns < n else 0  # reduce_scatter_tensor is on its save list
+    selective = ns * c * ab + n * (ab * (saved_mm + spec.q_width) + FP32 * spec.heads) + scattered
     return Activations(
         block=block,
         block_input=ns * c * ab,
+        block_selective=selective,
         head=norm + n * FP32 * spec.vocab,
         fixed=2 * n * INT64 + 2 * work.seq * (spec.head_size // 2) * FP32,
         mlp_workspace=n * ab * (c + (2 if spec.mlp == "swiglu" else 1) * f),

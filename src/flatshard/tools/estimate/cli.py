@@ -25,6 +25,9 @@ EXAMPLES = """examples:
   flatshard estimate --layers 80 --hidden 8192 --heads 64 --kv-heads 8 --ffn 28672 \\
       --vocab 128256 --seq 8192 --batch 16 --world 32 --tp 8 --act-ckpt
       (torchtitan's Llama 3 70B on 256 GPUs: FSDP 32 x TP 8)
+  flatshard estimate --layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 \
+      --vocab 128256 --seq 65536 --world 4 --cp 2 --act-ckpt --compile --float8 --gpu h100-gt
+      (torchtitan's Llama 3.1 8B at 64K tokens on 8 GPUs: FSDP 4 x CP 2)
   flatshard estimate --model 1b --world 4 --batch 8 --pp 4 --microbatches 8 --schedule 1F1B
   flatshard estimate --model small --world 8 --experts 8 --top-k 2 --ep 4
 """
@@ -65,6 +68,11 @@ def _layout_options(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--no-sequence-parallel", action="store_true",
                    help="with --tp: replicate norms and the residual stream (all-reduces) "
                    "instead of torchtitan's sequence parallelism")  # fmt: skip
+    g.add_argument("--async-tp", action="store_true",
+                   help="with --tp: torchtitan's async TP (hides the TP collectives)")  # fmt: skip
+    g.add_argument("--cp", type=int, default=1,
+                   help="context-parallel degree (default 1): the sequence split over cp GPUs "
+                   "(head-tail balanced, ring attention); world x cp x tp GPUs in all")  # fmt: skip
     g.add_argument("--strategy", choices=STRATEGIES, default="full_shard")
     g.add_argument("--shard-size", type=int, help="hybrid_shard: ranks per shard group")
     batch_help = "sequences per data-parallel rank, shared by its tp GPUs (default 1)"
@@ -82,7 +90,13 @@ def _layout_options(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--prefetch-backward", choices=("pre", "post", "none"), default="pre")
     g.add_argument("--no-coalesce", action="store_true", help="fs.shard(coalesce=False)")
     g.add_argument("--no-split-root", action="store_true", help="fs.shard(split_root=False)")
-    g.add_argument("--act-ckpt", action="store_true", help="checkpoint every block")
+    g.add_argument("--act-ckpt", action="store_true", help="checkpoint every block (full AC)")
+    g.add_argument("--selective-ac", action="store_true",
+                   help="torchtitan's per-op selective AC: save every second matmul's and "
+                   "attention's output, recompute the rest")  # fmt: skip
+    g.add_argument("--compile", action="store_true", help="blocks under torch.compile (time)")
+    g.add_argument("--float8", action="store_true",
+                   help="float8 block linears, torchao tensorwise (time)")  # fmt: skip
     g.add_argument("--attention", choices=("flash", "math"), default="flash")
     fused_help = "RMSNorm kernel that saves input+rstd only (default: yes on GPUs)"
     g.add_argument("--fused-norm", choices=("yes", "no"), help=fused_help)
@@ -92,7 +106,8 @@ def _hardware_options(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--gpu", choices=tuple(DEVICES),
                    help="device (default h100; cpu with --measure)")  # fmt: skip
     g.add_argument("--memory-gib", type=float, help="memory per rank (default: the device's)")
-    g.add_argument("--mfu", type=float, help="model FLOPs utilisation (default: the device's)")
+    mfu_help = "share of peak the executed FLOPs reach, eager bf16 (default: the device's)"
+    g.add_argument("--mfu", type=float, help=mfu_help)
     bw_help = "bus bandwidth within a node in GB/s (gigaBYTES: 400 Gb/s = 50)"
     g.add_argument("--bandwidth-gbps", type=float, help=bw_help)
     g.add_argument("--inter-bandwidth-gbps", type=float, help="across nodes, GB/s per rank")
@@ -133,11 +148,14 @@ def _inputs(args: argparse.Namespace) -> tuple[ModelSpec, Layout, Workload]:
         split_root=not args.no_split_root,
         tp=args.tp,
         sequence_parallel=not args.no_sequence_parallel,
+        async_tp=args.async_tp,
+        cp=args.cp,
     )
     if args.no_sequence_parallel and args.tp == 1:
         warnings.warn("--no-sequence-parallel has no effect without --tp", stacklevel=2)
     fused = args.fused_norm == "yes" if args.fused_norm else not cpu
-    work = Workload(args.batch, args.seq or spec.max_seq, args.act_ckpt, args.attention, fused)
+    work = Workload(args.batch, args.seq or spec.max_seq, args.act_ckpt, args.attention, fused,
+                    args.selective_ac, args.compile, args.float8)  # fmt: skip
     return spec, layout, work
 
 
@@ -175,6 +193,9 @@ def _measure(args: argparse.Namespace, report: Report) -> dict[str, int]:
     if not args.model or args.gpu != "cpu":
         raise ValueError("--measure needs --model PRESET and --gpu cpu (it runs flatshard on "
                          "this machine's CPU with Gloo)")  # fmt: skip
+    if report.layout.cp > 1 or report.work.selective_ac:
+        raise ValueError("--measure does not support --cp or --selective-ac (data-parallel "
+                         "flatshard with full or no checkpointing only)")  # fmt: skip
     if report.layout.tp > 1:
         raise ValueError(f"--measure does not support --tp {report.layout.tp}: it measures "
                          "data-parallel flatshard only; drop --tp")  # fmt: skip

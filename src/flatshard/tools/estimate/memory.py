@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from flatshard.tools.estimate.activations import FP32, Activations, activations
+from flatshard.tools.estimate.cp_cost import cp_view
 from flatshard.tools.estimate.reductions import Reductions, larger, largest_piece
 from flatshard.tools.estimate.schedule import gathers
 from flatshard.tools.estimate.spec import Layout, ModelSpec, Workload
@@ -107,9 +108,12 @@ class _Step:
 
 def estimate_memory(spec: ModelSpec, layout: Layout, work: Workload) -> MemoryEstimate:
     """Replay one training step (see [Note: the replay]) and report the components and peak."""
+    layout, work = cp_view(layout, work)  # one GPU of a cp group: FSDP over dp x cp, seq/cp
     act = activations(spec, layout, work)  # validates the TP layout
     units = plan_units(spec, layout)
     kept = act.block_input if work.act_ckpt else act.block
+    if work.selective_ac:
+        kept = act.block_selective
     local = local_spec(spec, layout.tp)  # what one GPU holds (see tp_cost.py)
     step = _Step(local, layout, work, act, kept, units, gathers(units, layout))
     static = _static(step)

@@ -93,6 +93,8 @@ def section(args: argparse.Namespace, r: Report) -> dict[str, Any] | None:
         out["experts"] = _experts(args, r)
     base = out["pipeline"]["step_s"] if "pipeline" in out else r.time.step_s
     out["step_s"] = base + out.get("experts", {}).get("all_to_all_s", 0.0)
+    gpus = r.layout.tp * r.layout.cp * args.pp  # the GPUs sharing a data-parallel rank's batch
+    out["tokens_per_s"] = r.work.tokens / out["step_s"] / gpus
     return out
 
 
@@ -117,4 +119,5 @@ def format_section(s: dict[str, Any]) -> str:
             f"all-to-alls, {e['bus_bytes'] / GIB:.2f} GiB out, {e['all_to_all_s']:.3f} s",
         ]
     lines.append(f"  step with both                {s['step_s']:>10.3f} s")
+    lines.append(f"  tokens/s per GPU              {s['tokens_per_s']:>10,.0f}")
     return "\n".join(lines)

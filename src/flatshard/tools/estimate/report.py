@@ -50,7 +50,8 @@ def _fmt(n: float, unit: int) -> str:
 def _header(r: Report) -> list[str]:
     s, lay, w, p = r.spec, r.layout, r.work, r.layout.precision
     tied = "tied" if s.tied else "untied"
-    shard = f"shard over {lay.shard_world}" if lay.shard_world > 1 else "replicated"
+    shard_world = lay.shard_world * lay.cp  # FSDP over the flattened dp x cp mesh
+    shard = f"shard over {shard_world}" if shard_world > 1 else "replicated"
     return [
         f"model   {s.name}: {s.params:,} parameters ({s.params / 1e9:.3g} B); {s.layers} layers, "
         f"hidden {s.hidden}, heads {s.heads} (kv {s.kv_heads}), ffn {s.ffn} {s.mlp}, "
@@ -60,14 +61,22 @@ def _header(r: Report) -> list[str]:
         f"{lay.optimizer}, {lay.backend}, {_units(r)}",
         *_tp_header(r),
         f"batch   {w.batch} x {w.seq} tokens per {'data-parallel ' if lay.tp > 1 else ''}rank, "
-        f"{w.attention} attention" + (", activation checkpointing" if w.act_ckpt else ""),
+        f"{w.attention} attention" + _execution(w),
     ]
 
 
+def _execution(w: Workload) -> str:
+    """Checkpointing, compile and float8, as the header lists them."""
+    ac = ", activation checkpointing" if w.act_ckpt else ""
+    ac += ", selective (per-op) checkpointing" if w.selective_ac else ""
+    return ac + (", torch.compile" if w.compile else "") + (", float8" if w.float8 else "")
+
+
 def _world(lay: Layout) -> str:
-    if lay.tp == 1:
+    if lay.tp == 1 and lay.cp == 1:
         return f"world {lay.world}"
-    return f"world {lay.world} x tp {lay.tp} = {lay.gpus} GPUs"
+    axes = "".join(f" x {name} {n}" for name, n in (("cp", lay.cp), ("tp", lay.tp)) if n > 1)
+    return f"world {lay.world}{axes} = {lay.gpus} GPUs"
 
 
 def _tp_header(r: Report) -> list[str]:
@@ -137,8 +146,9 @@ def _time_lines(r: Report) -> list[str]:
         f"  communication     {t.comm_s * 1e3:12.2f} ms   "
         f"(exposed after overlap {t.exposed_comm_s * 1e3:.2f} ms)",
         *_tp_time(r),
+        *_cp_time(r),
         f"  step              {t.step_s * 1e3:12.2f} ms   {t.tokens_per_s:,.0f} tokens/s/"
-        f"{'GPU' if r.layout.tp > 1 else 'rank'}, "
+        f"{'GPU' if r.layout.gpus > r.layout.world else 'rank'}, "
         f"MFU {100 * t.mfu:.1f}%",
     ]
 
@@ -155,7 +165,19 @@ def _tp_time(r: Report) -> list[str]:
     return [
         f"  tensor parallel   {tp.bus_bytes / 1e9:12.3f} GB bus bytes: {what} of "
         f"{tp.message / 1e6:,.1f} MB over tp {r.layout.tp}",
-        f"  tp communication  {r.time.tp_comm_s * 1e3:12.2f} ms   (not overlapped)",
+        f"  tp communication  {r.time.tp_comm_s * 1e3:12.2f} ms   "
+        f"(exposed {r.time.tp_exposed_s * 1e3:.2f} ms)",
+    ]
+
+
+def _cp_time(r: Report) -> list[str]:
+    """The context-parallel ring's line (cp > 1 only)."""
+    if r.layout.cp == 1:
+        return []
+    t = r.time
+    return [
+        f"  cp ring           {t.cp_bytes / 1e9:12.3f} GB bus bytes of K/V over cp "
+        f"{r.layout.cp}: {t.cp_comm_s * 1e3:.2f} ms (exposed {t.cp_exposed_s * 1e3:.2f} ms)"
     ]
 
 

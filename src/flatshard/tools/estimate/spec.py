@@ -251,10 +251,18 @@ class Layout:
     """With ``tp > 1``: norms and the residual stream sharded over the sequence (torchtitan's
     plan: all-gather / reduce-scatter around each block half) instead of replicated
     (all-reduce)."""
+    async_tp: bool = False
+    """With ``tp > 1``: torchtitan's async TP (collective matmuls) hides the TP collectives
+    under the matmuls they feed (``efficiency.py``)."""
+    cp: int = 1
+    """Context-parallel degree (``cp_cost.py``): each data-parallel rank's sequences are split
+    over ``cp`` GPUs (head-tail load balanced), and the parameters are sharded over the
+    flattened ``world x cp`` mesh; ``world * cp * tp`` GPUs in all."""
 
     def __post_init__(self) -> None:
         _positive("world", self.world)
         _positive("tp", self.tp)
+        _positive("cp", self.cp)
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy={self.strategy!r} is unknown; use one of {STRATEGIES}")
         if self.prefetch_forward < 0 or self.prefetch_backward not in ("pre", "post", "none"):
@@ -284,8 +292,8 @@ class Layout:
 
     @property
     def gpus(self) -> int:
-        """Ranks in all: ``world`` data-parallel ranks of ``tp`` GPUs each."""
-        return self.world * self.tp
+        """Ranks in all: ``world`` data-parallel ranks of ``cp x tp`` GPUs each."""
+        return self.world * self.cp * self.tp
 
     @property
     def optimizer_bytes(self) -> int:
@@ -313,12 +321,22 @@ class Workload:
     fused_norm: bool = False
     """RMSNorm as one kernel (saves input and rstd) instead of PyTorch's composite RMSNorm on
     CPU (which also saves ``x * rstd``). LayerNorm is always one kernel (input, mean, rstd)."""
+    selective_ac: bool = False
+    """torchtitan's per-op selective activation checkpointing: a block keeps its input, the
+    outputs of every second matmul (wq, wv, w1, w2) and attention's; it recomputes the rest
+    (wk, wo, w3 and the elementwise ops). Exclusive with ``act_ckpt``."""
+    compile: bool = False
+    """Blocks under ``torch.compile`` (time only, ``efficiency.py``)."""
+    float8: bool = False
+    """Float8 block linears (torchao, tensorwise scaling; time only, ``efficiency.py``)."""
 
     def __post_init__(self) -> None:
         _positive("batch", self.batch)
         _positive("seq", self.seq)
         if self.attention not in ("flash", "math"):
             raise ValueError(f"attention={self.attention!r}; use 'flash' or 'math'")
+        if self.act_ckpt and self.selective_ac:
+            raise ValueError("act_ckpt (full) and selective_ac exclude each other; pick one")
 
     @property
     def tokens(self) -> int:

@@ -1,4 +1,4 @@
-"""Step time: compute at a given MFU plus the communication that overlap cannot hide.
+"""Step time: compute (``efficiency.py``) plus the communication that overlap cannot hide.
 
 Volumes are *bus bytes* per rank (nccl-tests' convention): a collective over ``n`` ranks on a
 buffer of ``S`` bytes moves ``S (n-1)/n`` for all-gather and reduce-scatter and ``2 S (n-1)/n``
@@ -10,7 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flatshard.comm.gloo_p2p import MAX_P2P_WORLD
+from flatshard.tools.estimate.cp_cost import cp_traffic, cp_view
 from flatshard.tools.estimate.devices import Device
+from flatshard.tools.estimate.efficiency import (
+    attention_seconds,
+    compute_seconds,
+    step_flops,
+    tp_hidden_share,
+)
 from flatshard.tools.estimate.schedule import gathered_per_step
 from flatshard.tools.estimate.spec import Layout, ModelSpec, Workload
 from flatshard.tools.estimate.tp_cost import tp_traffic
@@ -24,10 +31,11 @@ class StepTime:
     """One training step of one micro-batch per data-parallel rank, per GPU."""
 
     flops: float
-    """Model FLOPs per GPU (PaLM's formula, 1/tp of the micro-batch's; x4/3 with activation
-    checkpointing)."""
+    """FLOPs per GPU the step executes (``efficiency.step_flops``: 1/(cp tp) of the
+    micro-batch's, recomputation included)."""
     compute_s: float
-    """``flops / (peak * mfu)``."""
+    """``efficiency.compute_seconds``: the FLOPs by kind over ``peak * mfu``, with the compile
+    and float8 speedups."""
     all_gather_bytes: float
     """Bus bytes per rank of every gather the step's replay starts (``schedule.py``): under
     full_shard the root (again in backward for a tied lazy root), its tail once, and every
@@ -47,13 +55,23 @@ class StepTime:
     tp_all_reduce_bytes: float
     """Bus bytes per GPU of the tensor-parallel all-reduces (without sequence parallel)."""
     tp_comm_s: float
-    """Tensor-parallel communication, all of it on the critical path."""
+    """Tensor-parallel communication back to back."""
+    tp_exposed_s: float
+    """What of it stays on the critical path: all of it eager; compile and async TP hide a
+    share (``efficiency.VANILLA_TP_HIDDEN``, ``ASYNC_TP_HIDDEN``)."""
+    cp_bytes: float
+    """Bus bytes per GPU of the context-parallel ring (``cp_cost.py``; 0 at cp 1)."""
+    cp_comm_s: float
+    """The ring's transfers back to back."""
+    cp_exposed_s: float
+    """What of the ring exceeds the attention compute it overlaps."""
     step_s: float
-    """``compute_s + exposed_comm_s + tp_comm_s``."""
+    """``compute_s + exposed_comm_s + tp_exposed_s + cp_exposed_s``."""
     tokens_per_s: float
-    """Per GPU (a data-parallel rank's tokens over its ``tp`` GPUs)."""
+    """Per GPU (a data-parallel rank's tokens over its ``cp x tp`` GPUs)."""
     mfu: float
-    """Achieved model FLOPs utilisation including exposed communication."""
+    """Achieved model FLOPs utilisation: PaLM's model FLOPs (no recomputation) over the
+    peak and the step."""
 
 
 def _volumes(units: Units, layout: Layout) -> tuple[float, float, float]:
@@ -114,29 +132,33 @@ def estimate_time(
     inter_gbps: float | None = None,
     overlap: float | None = None,
 ) -> StepTime:
-    """Step time of one GPU on ``device``: compute, the data-parallel communication that
-    overlap leaves exposed (:func:`_exposed`; ``overlap`` defaults to the device's), and the
-    tensor-parallel collectives, which sit between a block's matmuls and overlap nothing
-    (torchtitan's async TP, which hides part of them, is not modelled)."""
+    """Step time of one GPU on ``device``: compute (``efficiency.py``), the data-parallel
+    communication that overlap leaves exposed (:func:`_exposed`; ``overlap`` defaults to the
+    device's), the tensor-parallel collectives, which sit between a block's matmuls (all
+    exposed eager; compile and async TP hide a share), and the context-parallel ring, which
+    hides under attention."""
     mfu = device.mfu if mfu is None else mfu
     overlap = device.overlap if overlap is None else overlap
     if not 0 < mfu <= 1 or not 0 <= overlap <= 1:
         raise ValueError(f"mfu={mfu} must be in (0, 1] and overlap={overlap} in [0, 1]")
-    recompute = 4 / 3 if work.act_ckpt else 1
-    # A tp group shares its micro-batch: each GPU does 1/tp of its matmuls.
-    flops = spec.flops_per_token(work.seq) * work.tokens * recompute / layout.tp
-    peak = device.flops[layout.precision.name]
-    compute = flops / (peak * mfu)
-    shard_bw, replicate_bw, tp_bw = _links(layout, device, intra_gbps, inter_gbps)
-    units = plan_units(spec, layout)
-    ag, rs, ar = _volumes(units, layout)
+    flops = step_flops(spec, layout, work)
+    compute = compute_seconds(flops, spec, layout, work, device, mfu)
+    dp, dp_work = cp_view(layout, work)  # FSDP over the flattened dp x cp mesh
+    shard_bw, replicate_bw, tp_bw = _links(dp, device, intra_gbps, inter_gbps)
+    units = plan_units(spec, dp)
+    ag, rs, ar = _volumes(units, dp)
     comm = (ag + rs) / shard_bw + ar / replicate_bw
-    exposed = _exposed(units, layout, comm, compute, overlap, shard_bw)
-    tp = tp_traffic(spec, layout, work)
+    exposed = _exposed(units, dp, comm, compute, overlap, shard_bw)
+    tp = tp_traffic(spec, dp, dp_work)
     tp_s = tp.bus_bytes / tp_bw
-    step = compute + exposed + tp_s
+    tp_exposed = tp_s * (1 - tp_hidden_share(layout, work))
+    ring = cp_traffic(spec, layout, work).bus_bytes
+    cp_s = ring / _cp_link(layout, device, intra_gbps, inter_gbps)
+    cp_exposed = max(0.0, cp_s - attention_seconds(flops, layout, work, device, mfu))
+    step = compute + exposed + tp_exposed + cp_exposed
+    peak = device.flops[layout.precision.name]
     return StepTime(
-        flops=flops,
+        flops=flops.executed,
         compute_s=compute,
         all_gather_bytes=ag,
         reduce_scatter_bytes=rs,
@@ -147,7 +169,21 @@ def estimate_time(
         tp_reduce_scatter_bytes=tp.reduce_scatter_bytes,
         tp_all_reduce_bytes=tp.all_reduce_bytes,
         tp_comm_s=tp_s,
+        tp_exposed_s=tp_exposed,
+        cp_bytes=ring,
+        cp_comm_s=cp_s,
+        cp_exposed_s=cp_exposed,
         step_s=step,
-        tokens_per_s=work.tokens / step / layout.tp,
-        mfu=flops / (peak * step) / recompute,
+        tokens_per_s=work.tokens / step / (layout.tp * layout.cp),
+        mfu=flops.model / (peak * step),
     )
+
+
+def _cp_link(
+    layout: Layout, device: Device, intra_gbps: float | None, inter_gbps: float | None
+) -> float:
+    """Bus bandwidth of the cp ring: within a node while its ``cp x tp`` GPUs fit in one."""
+    gbps = intra_gbps or device.intra_gbps
+    if layout.cp * layout.tp > device.per_node:
+        gbps = inter_gbps or device.inter_gbps
+    return gbps * 1e9

@@ -31,7 +31,8 @@ Traffic per step of one data-parallel rank (its micro-batch, message ``M = batch
 activation bytes), with SP: each block all-gathers a norm output twice in forward (before
 attention, before the MLP) and reduce-scatters ``wo``'s and ``w2``'s outputs twice; backward
 mirrors it (an all-gather's backward is a reduce-scatter and vice versa); activation
-checkpointing runs the forward's again. The embedding reduce-scatters in forward and
+checkpointing runs the forward's again (torchtitan's selective AC only the all-gathers: it
+saves the reduce-scatters' outputs). The embedding reduce-scatters in forward and
 all-gathers in backward, the head the other way round. Without SP the same points are
 all-reduces, one per pair: the same bus bytes. Loss parallel's per-token statistics (a few
 fp32 all-reduces of ``batch*seq`` elements) are left out.
@@ -44,7 +45,14 @@ from dataclasses import dataclass
 
 from flatshard.tools.estimate.spec import Layout, ModelSpec, Workload
 
-__all__ = ["TPTraffic", "check_workload", "local_spec", "seq_shards", "tp_traffic"]
+__all__ = [
+    "TPTraffic",
+    "backward_share",
+    "check_workload",
+    "local_spec",
+    "seq_shards",
+    "tp_traffic",
+]
 
 
 def _require_multiple(name: str, value: int, tp: int, why: str, fix: str = "") -> None:
@@ -121,9 +129,23 @@ def tp_traffic(spec: ModelSpec, layout: Layout, work: Workload) -> TPTraffic:
     message = work.tokens * spec.hidden * layout.precision.act
     if tp == 1:
         return TPTraffic(message, 0, 0, 0, 0.0, 0.0, 0.0)
-    passes = 3 if work.act_ckpt else 2  # forward, backward (and the recomputed forward)
-    pairs = spec.layers * 2 * passes + 2  # two block halves per pass; embedding and head
-    volume = pairs * message * (tp - 1) / tp
+    # forward, backward, and the recomputed forward: whole under full AC; under torchtitan's
+    # selective AC only the all-gathers (reduce_scatter_tensor is on its save list)
+    gather_passes = 3 if work.act_ckpt or work.selective_ac else 2
+    scatter_passes = 3 if work.act_ckpt else 2
+    gathers = spec.layers * 2 * gather_passes + 2  # two block halves per pass; embedding, head
+    scatters = spec.layers * 2 * scatter_passes + 2
+    share = message * (tp - 1) / tp
     if layout.sequence_parallel:
-        return TPTraffic(message, pairs, pairs, 0, volume, volume, 0.0)
-    return TPTraffic(message, 0, 0, pairs, 0.0, 0.0, 2 * volume)
+        return TPTraffic(message, gathers, scatters, 0, gathers * share, scatters * share, 0.0)
+    return TPTraffic(message, 0, 0, scatters, 0.0, 0.0, 2 * scatters * share)
+
+
+def backward_share(work: Workload) -> float:
+    """The share of the TP bytes moved in backward (one of the passes above): the collectives
+    a compiled backward can overlap with the weight-gradient matmuls, which do not wait for
+    them."""
+    passes = 3 if work.act_ckpt else 2
+    if work.selective_ac:
+        return 2 / 5  # one all-gather and one reduce-scatter pass of 3 + 2
+    return 1 / passes
