@@ -15,9 +15,11 @@ Then, for each world size, fresh ranks build the model on the meta device and sh
              (``safetensors.torch.load(bytes)``), then copies its fragments
 The figure is each rank's peak resident memory during the load above its resident memory just
 before it (VmHWM - VmRSS, which counts file pages mapped in too), max over ranks, beside the
-rank's shard and the largest tensor. Ranks run with ``MALLOC_MMAP_THRESHOLD_=65536`` so freed
-blocks go back to the OS. Both methods must load identical fragments (checked). World 1 runs
-in this process, without spawning (the smoke test's quick path).
+rank's shard and the largest tensor; and the load's wall and CPU time (of the rank's process,
+max over ranks: CPU time is the steadier figure on a loaded host). Ranks run with
+``MALLOC_MMAP_THRESHOLD_=65536`` so freed blocks go back to the OS. Both methods must load
+identical fragments (checked). World 1 runs in this process, without spawning (the smoke
+test's quick path).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import resource
 import shutil
 import socket
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -101,15 +104,19 @@ def measure_load(method: str, path: Path, model: torch.nn.Module) -> dict:
     dist.barrier()
     _reset_peak()
     before_kb = _status_kb("VmRSS")
+    start, cpu = time.perf_counter(), time.process_time()
     if method == "sliced":
         fs.load(path, model=model)
     else:
         load_naive(path, model, method)
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     peak_kb = _status_kb("VmHWM")
     dist.barrier()
     return {
         "rss_before_mb": before_kb * 1024 / MB,
         "peak_above_before_mb": (peak_kb - before_kb) * 1024 / MB,
+        "seconds": seconds,
+        "cpu_seconds": cpu,
         "checksum": [float(p.detach().double().sum()) for p in model.parameters()],
     }
 
@@ -162,6 +169,8 @@ def summarize(info: dict, results: dict[int, list[dict]]) -> dict:
             row = {"world": world, "method": method}
             row["peak_above_before_mb"] = max(r[method]["peak_above_before_mb"] for r in ranks)
             row["rss_before_mb"] = max(r[method]["rss_before_mb"] for r in ranks)
+            row["seconds"] = max(r[method]["seconds"] for r in ranks)
+            row["cpu_seconds"] = max(r[method]["cpu_seconds"] for r in ranks)
             row["shard_mb"] = max(r["shard_mb"] for r in ranks)
             rows.append(row)
         rows[-1]["ru_maxrss_mb"] = max(r["ru_maxrss_mb"] for r in ranks)
@@ -173,11 +182,12 @@ def report(out: dict) -> None:
         f"pretrained load: {out['params'] / 1e6:.1f}M parameters, file {out['file_mb']:.0f} MB, "
         f"largest tensor {out['largest_tensor_mb']:.0f} MB; per rank, max over ranks"
     )
-    print("  world method      added at peak   shard    RSS before")
+    print("  world method      added at peak   shard    RSS before   wall      CPU")
     for row in out["rows"]:
         print(
             f"  {row['world']:5} {row['method']:10} {row['peak_above_before_mb']:9.0f} MB"
-            f"   {row['shard_mb']:6.0f} MB {row['rss_before_mb']:7.0f} MB"
+            f"   {row['shard_mb']:6.0f} MB {row['rss_before_mb']:7.0f} MB {row['seconds']:6.2f} s"
+            f" {row['cpu_seconds']:6.2f} s"
         )
 
 

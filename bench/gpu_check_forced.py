@@ -65,7 +65,7 @@ def _keep_size_one(topo: fs_mesh.Topology, strategy) -> fs_mesh.Topology:
         shard = group
     else:
         replicate = group
-    hosts = tuple(fs_mesh._host_group(g) for g in (shard, replicate) if g is not None)
+    hosts = tuple(fs_mesh._host_group(g, topo.made) for g in (shard, replicate) if g is not None)
     return dataclasses.replace(
         topo, shard_group=shard, replicate_group=replicate, shard_rank=0, shard_world=1,
         host_groups=hosts,

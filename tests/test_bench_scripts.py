@@ -63,6 +63,11 @@ SCRIPTS = {
         ],
     ),
     "bench_exit.py": ([sys.executable], ["--runs", "1"]),
+    "bench_host_overhead.py": ([sys.executable], ["--units", "2", "--rounds", "4", "--dim", "8"]),
+    "bench_reduce_precision.py": (
+        [sys.executable],
+        ["--worlds", "2", "--dim", "16", "--layers", "1", "--steps", "2"],
+    ),
 }
 
 

@@ -164,6 +164,7 @@ def test_both_layouts_load_into_flatshard_at_another_world_and_plan(dist_pools, 
     assert all(torch.equal(full[k], v) for k, v in reference.items())
 
 
+@pytest.mark.harness
 def test_the_version_1_checkpoint_really_is_the_old_layout(saved):
     from flatshard.checkpoint.reading import open_checkpoint
 

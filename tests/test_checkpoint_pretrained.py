@@ -197,3 +197,27 @@ def test_sliced_reads_refuse_damaged_safetensors_files(tmp_path):
         path.write_bytes(raw)
         with sliced._Files() as files, pytest.raises(ValueError, match=str(path)):
             files.read(path, "w", 0, torch.empty(12))
+
+
+def test_sliced_reads_any_range_and_a_placed_block(tmp_path):
+    """Every flat range of a 3-D tensor (read, then cast), and the fragment of a block at an
+    offset of the stored tensor (a TP shard), hold the stored elements."""
+    from safetensors.torch import save_file
+
+    from flatshard.checkpoint import sliced
+
+    whole = torch.arange(3 * 4 * 5, dtype=torch.float32).reshape(3, 4, 5)
+    path = tmp_path / "w.safetensors"
+    save_file({"w": whole}, str(path))
+    flat = whole.reshape(-1)
+    with sliced._Files() as files:
+        for start in range(0, 60, 7):
+            for end in (start, start + 1, min(start + 13, 60), 60):
+                out = torch.full((end - start,), -1.0, dtype=torch.float64)  # read, then cast
+                files.read(path, "w", start, out)
+                assert torch.equal(out, flat[start:end].double()), (start, end)
+        block = whole[1:3, 1:4, 2:5]  # a local block at origin (1, 1, 2)
+        out = torch.zeros(block.numel() - 4)  # the fragment: the block's elements from 4 on
+        info = sliced.ParamInfo("w", out, 4, block.numel(), whole.shape, block.shape, (1, 1, 2))
+        sliced._read_placed(files, path, "w", info)
+        assert torch.equal(out, block.reshape(-1)[4:])

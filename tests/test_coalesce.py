@@ -268,12 +268,13 @@ def case_bucket_buffers(pool: str) -> dict:
 
 def test_bucket_buffers_are_private(dist_pools):
     pool = dist_pools(2)
-    # Steady step, three buckets (each one unit), the last kept into the backward. A bucket's
+    # Steady step, three buckets (each one unit), the last one released before the loss too
+    # (TinyGPT has a root tail: see [Note: one post-forward] in core/hooks.py). A bucket's
     # full buffer is its own, pool or not (see [Note: coalesced units]): every gather
-    # allocates it (3 in forward, 2 in backward), every release frees it, nothing is kept.
+    # allocates it (3 in forward, 3 in backward), every release frees it, nothing is kept.
     for flag in ("1", "0"):
         for r in pool.run(case_bucket_buffers, flag):
-            assert (r["buckets"], r["fresh"], r["accounted"], r["cached"]) == (3, 5, True, 0), r
+            assert (r["buckets"], r["fresh"], r["accounted"], r["cached"]) == (3, 6, True, 0), r
 
 
 def case_one_unit_per_bucket() -> dict:

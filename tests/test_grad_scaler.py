@@ -295,3 +295,33 @@ def test_parity_with_torch_amp_grad_scaler(dist_pools, world):
         assert r["scale"] == r["ref_scale"] == [256, 512, 512, 256, 256, 512]
         for a, b in zip(r["loss"], r["ref_loss"], strict=True):
             assert abs(a / b - 1) < 1e-3  # measured 5e-5 (fp16 autocast, world 2)
+
+
+def case_debug_switch_comes_from_the_model() -> dict[str, bool]:
+    """FLATSHARD_DEBUG is the model's, as its fs.shard read it: a scaler built before fs.shard
+    in another environment, stepping after the environment changed again, follows the model."""
+    from patching import patched_env
+
+    scaler = GradScaler()  # no FLATSHARD_DEBUG here
+    torch.manual_seed(0)
+    with patched_env(FLATSHARD_DEBUG="1"):
+        model = fs.shard(Net(), policy=fs.wrap.by_type(Block))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = _local(_global_batch(0))
+    scaler.scale(F.mse_loss(model(x), y)).backward()
+    scaler.step(opt)
+    scaler.update()
+    checking = scaler.stats.checker is not None
+    plain = GradScaler()  # plain parameters, no sharded model: the environment at its step
+    with patched_env(FLATSHARD_DEBUG="1"):
+        reference = torch.nn.Linear(2, 1)
+        plain_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+        plain.scale(reference(torch.ones(1, 2)).sum()).backward()
+        plain.step(plain_opt)
+        plain.update()
+    return {"model": checking, "plain": plain.stats.checker is not None}
+
+
+def test_the_debug_switch_comes_from_the_sharded_model(dist_pools):
+    for r in dist_pools(2).run(case_debug_switch_comes_from_the_model):
+        assert r == {"model": True, "plain": True}, r

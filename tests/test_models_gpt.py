@@ -138,10 +138,7 @@ def test_packed_equals_alone_reference_varlen(cfg: GPTConfig, monkeypatch) -> No
 
 
 def test_packed_equals_alone_real_varlen() -> None:
-    """Same, with flatshard.packing's varlen_attention (skipped until that module exists)."""
-    packing = pytest.importorskip("flatshard.packing")
-    if not hasattr(packing, "varlen_attention"):
-        pytest.skip("flatshard.packing.varlen_attention not available yet")
+    """Same, with flatshard.packing's varlen_attention."""
     torch.manual_seed(0)
     _packed_vs_alone(GPT(VARIANTS[1]), [[5, 11, 4], [1, 19]])
 

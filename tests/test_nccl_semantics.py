@@ -142,6 +142,7 @@ def _only(results: list[dict], key: str, *needles: str) -> None:
             assert all(n in v for n in needles), (needles, v)
 
 
+@pytest.mark.harness
 def test_outputs_hold_garbage_until_wait(semantics):
     for r in semantics:
         got = r["result"]["read_before_wait"]
@@ -150,14 +151,17 @@ def test_outputs_hold_garbage_until_wait(semantics):
         assert got["ints"] == ([torch.iinfo(torch.int32).min] * 2, [3, 3])
 
 
+@pytest.mark.harness
 def test_an_input_changed_in_flight_is_a_violation(semantics):
     _only(semantics, "mutated_input", "reduce_scatter", "input was modified", "test_nccl_")
 
 
+@pytest.mark.harness
 def test_an_output_written_in_flight_is_a_violation(semantics):
     _only(semantics, "written_output", "all_reduce", "output was written")
 
 
+@pytest.mark.harness
 def test_a_buffer_resized_in_flight_is_refused(semantics):
     _only(semantics, "resized_in_flight", "all_gather")
     for r in semantics:
@@ -166,6 +170,7 @@ def test_a_buffer_resized_in_flight_is_refused(semantics):
         assert any("resized to 0 bytes" in v for v in got["violations"])
 
 
+@pytest.mark.harness
 def test_timed_waits_are_counted_and_flatshard_makes_none(semantics):
     for r in semantics:
         got = r["result"]["waits"]
@@ -173,6 +178,7 @@ def test_timed_waits_are_counted_and_flatshard_makes_none(semantics):
         assert got["never"] and got["never"][0].startswith("all_reduce issued at"), got
 
 
+@pytest.mark.harness
 def test_a_host_tensor_reaching_a_collective_is_a_violation(semantics):
     _only(semantics, "host_tensors", "a host tensor ((2,), torch.float32) was handed to")
     for r in semantics:

@@ -104,6 +104,7 @@ def _check_exact(r: dict, optim: str = "sgd") -> None:
     assert r["err"] <= TOLERANCE[optim], f"{r['engine']}: {r['err']:.2e} at {r['worst']}"
 
 
+@pytest.mark.harness
 def test_every_schedule_torch_ships_is_covered():
     assert torch_schedule_classes() == {cls.__name__ for cls, _, _ in SCHEDULES.values()}
 
@@ -111,6 +112,7 @@ def test_every_schedule_torch_ships_is_covered():
 ARGS = ("schedule", "microbatches", "per_rank")
 
 
+@pytest.mark.harness
 @pytest.mark.parametrize(ARGS, CASES)
 def test_fsdp2_control_matches_single_process(results, schedule, microbatches, per_rank):
     _check_exact(results(schedule)[microbatches, per_rank, "fsdp2_keep"])
@@ -140,6 +142,7 @@ def test_adamw(results, schedule, microbatches, per_rank):
     _check_exact(by_engine[microbatches, per_rank, "flatshard"], "adamw")
 
 
+@pytest.mark.harness
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_torch_schedule_alone_is_exact_and_fsdp2_defaults_run(results, schedule):

@@ -89,6 +89,7 @@ def test_flatshard_tp_matches_single_process(results, name):
     assert r["holders"] == [0, 1], r
 
 
+@pytest.mark.harness
 @pytest.mark.parametrize("name", FSDP2_CONTROL)
 def test_fsdp2_tp_control_matches_single_process(results, name):
     _check_exact(results[name, "fsdp2"])

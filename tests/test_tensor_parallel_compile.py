@@ -116,6 +116,7 @@ def test_more_compositions_match_single_process(slow_results, name):
     _check_exact(slow_results[name, "flatshard"])
 
 
+@pytest.mark.harness
 def test_fsdp2_control_runs(results):
     _report_control(results["sp_before", "fsdp2"], "sp_before")
 
@@ -126,6 +127,7 @@ def test_fsdp2_with_settled_inputs_matches_single_process(results):
     _check_exact(results["sp_settled", "fsdp2"], holders=[True] * 4)
 
 
+@pytest.mark.harness
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SLOW_FSDP2_CONTROL)
 def test_fsdp2_control_runs_tp(slow_results, name):
@@ -141,6 +143,7 @@ def test_checkpoint_inside_a_compiled_tp_block_fails_in_torch(slow_results, name
     assert TORCH_CHECKPOINT_ERROR in r.get("error", ""), r
 
 
+@pytest.mark.harness
 def test_torch_alone_drops_the_async_input_gradient(results):
     """The torch problem flatshard works around, measured without flatshard: a compiled
     function's output on an AsyncCollectiveTensor input does not require grad; settled, the

@@ -53,7 +53,6 @@ def _rows(out) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """A: 40 steps then resumed to 50; B: 50 steps uninterrupted."""
-    pytest.importorskip("flatshard.checkpoint", reason="flatshard.checkpoint not available")
     root = tmp_path_factory.mktemp("train")
     (root / "tiny.toml").write_text(TINY_TOML)
     config = ["--config", str(root / "tiny.toml"), "--nproc", "2", *OVERRIDES]

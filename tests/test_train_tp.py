@@ -53,7 +53,6 @@ def _losses(out: Path) -> list[float]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    pytest.importorskip("flatshard.checkpoint", reason="flatshard.checkpoint not available")
     root = tmp_path_factory.mktemp("train_tp")
     base = [*write_inputs(root), *RUN]
     tp2 = [*base, "--nproc", "4", "--parallelism.tp", "2", "--out", str(root / "a")]

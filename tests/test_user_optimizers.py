@@ -155,6 +155,7 @@ def test_elementwise_optimizers_match_single_process(dist_pools, plan):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.harness
 def test_fused_variants_cover_torch():
     """FUSED is exactly the optimizers here whose CPU fused kernel steps (an empty parameter
     included); the others do not take ``fused`` at all."""

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import flatshard as fs
 from dist_pool import CASE_TIMEOUT_S
 from flatshard.comm import watchdog
 from flatshard.comm.watchdog import CollectiveHang, Watchdog, bound_s
@@ -185,12 +186,104 @@ def _flatshard_collectives_on_gloo() -> dict:
     threads = [t.name for t in threading.enumerate() if t.name == watchdog.THREAD_NAME]
     # What the group's own watchdog uses, read as for NCCL (the backend's options).
     timeout_s = watchdog.group_timeout_s(dist.group.WORLD)
-    return {"watchdog": watchdog.current() is not None, "threads": threads, "timeout": timeout_s}
+    started = watchdog.current() is not None and watchdog.current().started  # (fs.shard adopts)
+    return {"watchdog": started, "threads": threads, "timeout": timeout_s}
 
 
 def test_nothing_starts_on_gloo(dist_pools) -> None:
     for rank, got in enumerate(dist_pools(2).run(_flatshard_collectives_on_gloo)):
         assert got == {"watchdog": False, "threads": [], "timeout": CASE_TIMEOUT_S}, (rank, got)
+
+
+# ---- the switches come from fs.shard ------------------------------------------------------------
+def test_fs_shard_hands_its_switches_to_the_process_watchdog() -> None:
+    watchdog.adopt("report", 7.0)  # what fs.shard does with the switches it read
+    dog = watchdog.current()
+    assert dog is not None and (dog.action, dog.timeout_s) == ("report", 7.0)
+    assert not dog.running()  # the thread waits for a collective off Gloo
+    watchdog.adopt("off", 9.0)  # a later fs.shard: its switches
+    assert watchdog.current() is dog and (dog.action, dog.timeout_s) == ("off", 9.0)
+    with pytest.raises(ValueError, match="FLATSHARD_WATCHDOG='loud'"):
+        watchdog.adopt("loud", 1.0)
+
+
+def case_shard_reads_the_watchdog_switches() -> dict:
+    """fs.shard reads FLATSHARD_WATCHDOG and the timeout; the environment later changes
+    nothing; on Gloo no thread starts."""
+    from flatshard.core.state import get_state
+    from parity_models import CASES
+    from patching import patched_env
+
+    watchdog.reset()
+    torch.manual_seed(0)
+    case = CASES["gpt_tied"]
+    with patched_env(FLATSHARD_WATCHDOG="report", FLATSHARD_TIMEOUT_S="37"):
+        model = fs.shard(case.build(), policy=case.policy())
+    with patched_env(FLATSHARD_WATCHDOG="abort", FLATSHARD_TIMEOUT_S="5"):
+        case.loss(model, case.batch(torch.Generator().manual_seed(0), 2)).backward()
+    dog = watchdog.current()
+    threads = [t.name for t in threading.enumerate() if t.name == watchdog.THREAD_NAME]
+    switches = get_state(model).switches  # white-box: the switches fs.shard read
+    watchdog.reset()
+    return {"action": dog.action, "timeout": dog.timeout_s, "threads": threads,
+            "switch": "switch FLATSHARD_WATCHDOG=report" in switches.describe()}  # fmt: skip
+
+
+def test_shard_reads_the_watchdog_switches_once(dist_pools) -> None:
+    for rank, got in enumerate(dist_pools(2).run(case_shard_reads_the_watchdog_switches)):
+        expected = {"action": "report", "timeout": 37.0, "threads": [], "switch": True}
+        assert got == expected, (rank, got)
+
+
+def case_shard_with(env_on_rank_1: dict, timeout_on_rank_1: float | None) -> str:
+    """fs.shard where rank 1 has ``env_on_rank_1`` and ``timeout_s=timeout_on_rank_1``: the
+    error every rank gets ("" when it shards)."""
+    from parity_models import CASES
+    from patching import patched_env
+
+    rank_1 = dist.get_rank() == 1
+    case = CASES["gpt_tied"]
+    with patched_env(**(env_on_rank_1 if rank_1 else {})):
+        try:
+            fs.shard(
+                case.build(), policy=case.policy(), timeout_s=timeout_on_rank_1 if rank_1 else None
+            )
+        except ValueError as err:
+            return str(err)
+        finally:
+            watchdog.reset()
+    return ""
+
+
+@pytest.mark.parametrize(
+    ("env", "timeout", "named"),
+    [
+        ({"FLATSHARD_WATCHDOG": "off"}, None, "switch FLATSHARD_WATCHDOG=off"),
+        ({"FLATSHARD_TIMEOUT_S": "30"}, None, "timeout_s=30"),
+        ({}, 45.0, "timeout_s=45"),
+    ],
+)
+def test_a_rank_with_other_watchdog_switches_fails_at_shard(dist_pools, env, timeout, named):
+    for message in dist_pools(2).run(case_shard_with, env, timeout):
+        assert "ranks disagree" in message and named in message, message
+
+
+def case_bad_watchdog_action() -> str:
+    from parity_models import CASES
+    from patching import patched_env
+
+    case = CASES["gpt_tied"]
+    with patched_env(FLATSHARD_WATCHDOG="loud"):
+        try:
+            fs.shard(case.build(), policy=case.policy())
+        except ValueError as err:
+            return str(err)
+    return ""
+
+
+def test_an_unknown_watchdog_action_fails_at_shard_on_every_rank(dist_pools) -> None:
+    for message in dist_pools(2).run(case_bad_watchdog_action):
+        assert "FLATSHARD_WATCHDOG='loud': use one of raise, abort, report, off" in message
 
 
 def _rank_1_skips_an_all_reduce(key: str) -> dict:

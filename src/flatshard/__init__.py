@@ -19,6 +19,7 @@ _WHERE = {
     "checkpoint_activations": "features.activation_checkpoint",
     "ShardingStrategy": "api",
     "shard": "api",
+    "unshard": "core.teardown",
     "SaveHandle": "checkpoint",
     "export_checkpoint": "checkpoint",
     "export_safetensors": "checkpoint",
@@ -45,6 +46,7 @@ _WHERE = {
     "FragmentInfo": "core.params",
     "fragment_info": "core.params",
     "full_shape": "core.params",
+    "Comm": "precision",
     "MixedPrecision": "precision",
     "Prefetch": "prefetch",
     "full_state_dict": "checkpoint.full_state",
@@ -78,6 +80,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
     )
     from flatshard.coalesce import Coalesce
     from flatshard.core.params import FragmentInfo, fragment_info, full_shape
+    from flatshard.core.teardown import unshard
     from flatshard.features.activation_checkpoint import checkpoint_activations
     from flatshard.introspect import (
         MemoryStats,
@@ -93,7 +96,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
     from flatshard.optim.grad_scaler import GradScaler
     from flatshard.parallel.pipeline_step import pipeline_step
     from flatshard.parallel.pipeline_tied import tie_across_stages
-    from flatshard.precision import MixedPrecision
+    from flatshard.precision import Comm, MixedPrecision
     from flatshard.prefetch import Prefetch
 
 
@@ -115,6 +118,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "CPUOffload",
     "Coalesce",
+    "Comm",
     "FragmentInfo",
     "GradScaler",
     "MemoryStats",
@@ -149,6 +153,7 @@ __all__ = [
     "summon_full_params",
     "tie_across_stages",
     "units",
+    "unshard",
     "wrap",
 ]
 __version__ = "0.1.0"

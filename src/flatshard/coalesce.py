@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 MIB = 1 << 20
 
@@ -57,7 +58,7 @@ class Coalesce:
         return self.buckets is not None or self.unit_bytes > 0
 
 
-def _normalize(buckets) -> tuple[tuple[str, ...], ...]:
+def _normalize(buckets: Any) -> tuple[tuple[str, ...], ...]:
     if isinstance(buckets, str) or not hasattr(buckets, "__iter__"):
         raise ValueError(
             f"Coalesce(buckets={buckets!r}): pass a list of buckets, each a list of module "

@@ -10,6 +10,7 @@ inside it nest without releasing the parameters early.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 from torch import nn
 
@@ -44,6 +45,23 @@ def register_method(model: nn.Module, name: str, *, submodule: nn.Module | None 
                 hooks._post_forward(state, unit, module, args, kwargs, None)
 
     setattr(target, name, gathered)
+    state.handles.append(_MethodHandle(target, name, gathered))
+
+
+class _MethodHandle:
+    """Undoes ``register_method`` (``fs.unshard``): the module's own method comes back."""
+
+    def __init__(self, target: nn.Module, name: str, gathered: Callable) -> None:
+        self.target, self.name, self.gathered = target, name, gathered
+
+    def remove(self) -> None:
+        if self.target.__dict__.get(self.name) is self.gathered:
+            del self.target.__dict__[self.name]
+            wrapped = self.gathered.__wrapped__  # functools.wraps: the method it gathers for
+            if getattr(wrapped, "__func__", None) is not getattr(
+                type(self.target), self.name, None
+            ):
+                setattr(self.target, self.name, wrapped)  # an instance attribute before
 
 
 def _owning_unit(model: nn.Module, target: nn.Module, units: list[Unit]) -> Unit:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flatshard.core.streams import host_waits_for_device
+
 
 @dataclass(frozen=True)
 class CPUOffload:
@@ -43,21 +45,33 @@ def pin_if_useful(tensor: torch.Tensor, compute: torch.device) -> torch.Tensor:
 
 
 def copy_to_host(tensor: torch.Tensor, host: torch.device) -> torch.Tensor:
-    """``tensor`` in host memory. From a CUDA device the copy is asynchronous, into pinned
-    memory: the caller must ``wait_for_host_copies`` before the host reads the result (the
-    end of backward does, once for all of them, so the copies overlap each other and the
-    rest of the reduction instead of draining the device one group at a time)."""
-    if tensor.device.type != "cuda":
-        return tensor.to(host)
-    out = torch.empty(tensor.shape, dtype=tensor.dtype, device=host, pin_memory=True)
+    """``tensor`` in host memory, without blocking the host: a copy queued on the current
+    stream into (on CUDA) pinned memory, never a ``.to("cpu")`` (which waits for the device
+    there). The caller must ``wait_for_host_copies`` before the host reads the result (the
+    end of backward does, once for all of them, so the copies overlap each other and the rest
+    of the reduction instead of draining the device one group at a time). A tensor already
+    on the host (a CPU-only run: the device *is* the host) is returned as it is."""
+    if tensor.device == host:
+        return tensor
+    out = torch.empty(
+        tensor.shape, dtype=tensor.dtype, device=host, pin_memory=tensor.device.type == "cuda"
+    )
     out.copy_(tensor, non_blocking=True)
     return out
+
+
+def to_compute(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host-computed ``tensor`` (statistics of offloaded gradients) on the compute
+    ``device`` without waiting for it: pinned on CUDA, so the copy is asynchronous (a plain
+    ``.to(device)`` waits for the stream there). ``tensor`` itself when already there."""
+    if tensor.device == device:
+        return tensor
+    if device.type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
 
 
 def wait_for_host_copies(device: torch.device) -> None:
     """Block the host until the copies ``copy_to_host`` queued on ``device`` are done (an
     event after them on the current stream; nothing to wait for off CUDA)."""
-    if device.type == "cuda":
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
-        event.synchronize()
+    host_waits_for_device(device)

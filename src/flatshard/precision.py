@@ -18,12 +18,16 @@ flatshard casts parameters; it does not use autocast. Every op then runs in the 
 inputs, on either device: layer_norm/softmax on bf16 inputs run in bf16 on CPU *and* on CUDA
 (autocast would upcast them on CUDA but not on CPU). Pass ``output_dtype=torch.float32`` and
 compute the loss outside the model, in fp32.
+
+``fs.Comm`` (below) is the other half: not the dtype gradients are summed in, but the format
+they travel in (``fs.shard(comm=fs.Comm(reduce="bf16"))``, see docs/mixed_precision.md).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
@@ -66,6 +70,42 @@ class MixedPrecision:
         return self.reduce_dtype if self.reduce_dtype is not None else self.param_dtype
 
 
+# The wire formats ``Comm.reduce`` accepts, and the dtype each sends.
+REDUCE_WIRES = {"bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Comm:
+    """How flatshard's collectives move data, for ``fs.shard(comm=...)``: the wire format,
+    apart from the dtypes of ``MixedPrecision`` (which say what is computed and summed in).
+    Every rank must pass the same (it is part of ``fs.shard``'s cross-rank fingerprint)."""
+
+    reduce: str | None = None
+    """How a gradient travels in the shard group's reduction. ``None`` (default): in
+    ``reduce_dtype``, by a reduce-scatter that sums along the way. ``"bf16"``: when
+    ``reduce_dtype`` is fp32, as bf16 in an all-to-all (rank ``r`` receives every rank's chunk
+    ``r``), summed in fp32 where it arrives: half the bytes of the fp32 reduce-scatter, and
+    under bf16 compute (gradients are bf16 already) the same sum up to its order. With any
+    other ``reduce_dtype``, and under ``no_shard``, it has no effect (``fs.shard`` warns)."""
+
+    def __post_init__(self) -> None:
+        if self.reduce is not None and (
+            not isinstance(self.reduce, str) or self.reduce not in REDUCE_WIRES
+        ):
+            choices = ", ".join(["None", *(repr(name) for name in REDUCE_WIRES)])
+            raise ValueError(f"Comm(reduce={self.reduce!r}) is unknown; choose one of {choices}")
+
+
+def wire_dtype(reduce_wire: str | None, reduce_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype a ``reduce_dtype`` gradient travels in under ``Comm(reduce=reduce_wire)``, or
+    None where that changes nothing (no wire format, or one no narrower than the sum's dtype:
+    a bf16 or fp16 ``reduce_dtype`` keeps its reduce-scatter)."""
+    wire = REDUCE_WIRES.get(reduce_wire) if reduce_wire is not None else None
+    if wire is None or not reduce_dtype.is_floating_point:
+        return None
+    return wire if reduce_dtype.itemsize > wire.itemsize else None
+
+
 def compute_dtype(stored: torch.dtype, mp: MixedPrecision | None) -> torch.dtype:
     """The dtype a group of ``stored``-dtype parameters is gathered in."""
     if mp is None or mp.param_dtype is None or not stored.is_floating_point:
@@ -89,7 +129,7 @@ def sum_scaling(dtype: torch.dtype, world: int) -> tuple[float, float]:
     return 1.0, float(world)
 
 
-def cast_floating(tree, dtype: torch.dtype | None):
+def cast_floating(tree: Any, dtype: torch.dtype | None) -> Any:
     """Cast every floating tensor in a pytree of args/outputs to ``dtype`` (None: unchanged)."""
     if dtype is None:
         return tree

@@ -127,7 +127,7 @@ def _repeated_block_class(root: nn.Module) -> type[nn.Module] | None:
     outermost = candidates - nested
     if not outermost:
         return None
-    size = Counter()
+    size: Counter[type] = Counter()
     for m in root.modules():
         if type(m) in outermost:
             size[type(m)] += sum(p.numel() for p in m.parameters())
@@ -148,8 +148,9 @@ class WrapPlan:
 
 def build_plan(root: nn.Module, policy: Policy | None) -> WrapPlan:
     """Apply ``policy`` bottom-up and assign every parameter to its owning unit."""
-    if hasattr(policy, "bind"):
-        policy.bind(root)
+    bind = getattr(policy, "bind", None)  # a policy that needs the model first (fs.wrap.auto)
+    if bind is not None:
+        bind(root)
     unit_modules: list[nn.Module] = []
     meshes: dict[int, object] = {}
     matched = _collect_units(root, policy, unit_modules, meshes, is_root=True)[1]

@@ -4,6 +4,7 @@ position_ids) is defined here so that the test depends on nothing but flatshard.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -98,6 +99,7 @@ def test_packed_losses_and_gradients_equal_documents_alone():
         torch.testing.assert_close(packed_grad[name], grad, rtol=1e-5, atol=1e-5, msg=name)
 
 
+@pytest.mark.harness
 def test_negative_control_plain_causal_attention_contaminates():
     """Without the document mask (one causal sequence per row) the same check must fail."""
     torch.manual_seed(0)

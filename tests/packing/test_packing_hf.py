@@ -85,6 +85,7 @@ def test_explicit_document_mask_matches_documents_alone(model):
     torch.testing.assert_close(_doc_losses(logits, batch, len(docs)), _alone(model, docs))
 
 
+@pytest.mark.harness
 @torch.no_grad()
 def test_negative_control_without_restarting_positions(model):
     docs = _docs()

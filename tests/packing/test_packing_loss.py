@@ -82,6 +82,7 @@ def test_rank_averaged_gradient_equals_global_mean(world, micro):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.harness
 def test_negative_control_per_micro_batch_mean_is_biased():
     model = _model()
     batches = _global_batch(3, 4)

@@ -25,9 +25,12 @@ def encode(value: Any, where: str = "extra") -> Any:
             return {"__flatshard_float__": repr(value)}
         return value
     if isinstance(value, torch.Tensor):
-        t = value.detach().to("cpu", copy=True).contiguous()  # .numpy() pins storages
+        t = value.detach().to("cpu", copy=True).contiguous()
         raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-        data = base64.b64encode(raw.numpy().tobytes()).decode("ascii")
+        buf = bytearray(raw.numel())  # copied out by torch alone: numpy is no dependency
+        if buf:
+            torch.frombuffer(buf, dtype=torch.uint8).copy_(raw)
+        data = base64.b64encode(buf).decode("ascii")
         spec = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
         return {TENSOR_TAG: {**spec, "data": data}}
     if isinstance(value, tuple):

@@ -42,6 +42,7 @@ from torch import nn
 from flatshard.checkpoint import agree
 from flatshard.checkpoint.contents import ModelLayout, model_layout
 from flatshard.core.mesh import members_group
+from flatshard.core.state import get_state
 
 
 def as_list(value, what: str) -> list:
@@ -87,7 +88,8 @@ def checkpoint_group(models: list[nn.Module], across) -> dist.ProcessGroup:
     every: list = [None] * dist.get_world_size(across_group)
     dist.all_gather_object(every, mine, group=across_group)
     ranks = tuple(sorted({r for ranks in every for r in ranks}))
-    return members_group(ranks, str(dist.get_backend(group)))
+    made = get_state(models[0]).topology.made  # kept with the first part's groups
+    return members_group(ranks, str(dist.get_backend(group)), made)
 
 
 def merged_layout(models: list[nn.Module]) -> ModelLayout:

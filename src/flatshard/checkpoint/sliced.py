@@ -3,12 +3,13 @@
 ``fs.load`` on a ``save_pretrained`` directory (``model.safetensors``, or the indexed
 ``model-0000k-of-0000N.safetensors`` files) or on a ``.safetensors`` file: every rank parses the
 files' JSON headers and, per parameter, reads the bytes of its fragment (a contiguous range of
-the row-major tensor) with plain file reads, straight into the fragment's storage when the
-dtypes match (else through one fragment-sized temporary, then cast). No rank builds the full
-model, and nothing is memory-mapped: a mapping would count every page read in the rank's
-resident memory until the file is closed (a second shard), where ``read`` leaves them in the
-page cache. Host memory is the shard plus at most one fragment (measured:
-``bench/bench_pretrained_load.py``, docs/checkpoints.md).
+the row-major tensor) with plain file reads (``seek`` + ``readinto``, on every platform),
+straight into the fragment's storage when the dtypes match (else through one fragment-sized
+temporary, then cast). No rank builds the full model, and nothing is memory-mapped: a mapping
+would count every page read in the rank's resident memory until the file is closed (a second
+shard), where ``read`` leaves them in the page cache. Host memory is the shard plus at most one
+fragment (measured: ``bench/bench_pretrained_load.py``, docs/checkpoints.md; that page also
+gives the time ``safe_open(...).get_slice`` took instead).
 (A ``torch.save`` file cannot be sliced: it goes through rank 0, see ``full_file.py``.)
 """
 

@@ -34,6 +34,7 @@ class CommStats:
     bytes: Counter = field(default_factory=Counter)
     checker: OpChecker | None = None  # debug mode: the check before every collective
     p2p: bool = True  # may Gloo groups use the point-to-point algorithms (gloo_p2p)?
+    reduce_wire: str | None = None  # fs.Comm(reduce=...): how gradients travel (wire_dtype)
 
     def record(
         self,
@@ -118,7 +119,7 @@ def _bounded_wait(work: object) -> bool:
 def waits_on_host(group: dist.ProcessGroup) -> bool:
     """Does waiting on a collective of ``group`` block the host until it completes (Gloo),
     rather than only ordering the current device stream after it (NCCL)?"""
-    return dist.get_backend(group) == "gloo"
+    return gloo_p2p.described(group)[0] == "gloo"
 
 
 def then_issue(
@@ -132,14 +133,22 @@ def then_issue(
     ``work``'s wait, so that nothing blocks now. On a device backend (NCCL) it happens now:
     the wait only makes the current stream wait for ``work``, so the second collective is
     queued right behind the first and overlaps whatever the host issues next (hybrid_shard's
-    all-reduce across replicas was exposed when issued at the wait)."""
+    all-reduce across replicas was exposed when issued at the wait).
+
+    That wait orders only the current stream (a side stream, when called inside
+    ``on_side_stream``), so ``work``'s buffers are held on until the handle's own wait, which
+    the caller makes on the stream that allocated them (rule 4 of [Note: streams and buffer
+    lifetimes] in core/streams.py): dropped here, the flat gradient went back to the caching
+    allocator, which could hand it to compute-stream kernels while the reduce-scatter still
+    read it."""
     if waits_on_host(group):
         work.add_then(lambda t: issue().wait(t))
         return
+    held = work.keep_alive
     work.wait(timeout)
     follow = issue()
-    work.work, work.op, work.keep_alive = follow.work, follow.op, follow.keep_alive
-    work.then = follow.then
+    work.work, work.op, work.then = follow.work, follow.op, follow.then
+    work.keep_alive = (*held, *follow.keep_alive)
 
 
 def all_gather_into(
@@ -159,8 +168,10 @@ def all_gather_into(
     stats.record("all_gather", shard, group, label)
     if gloo_p2p.p2p_enabled(group, stats.p2p):
         return PendingWork(gloo_p2p.all_gather(out, shard, group), "all_gather", (out, shard))
-    if shard.device.type == "cpu" and _aliases(out, shard):
-        shard = shard.clone()  # Gloo's own all-gather is not documented to allow in place
+    # Gloo's own all-gather is not documented to allow in place. Gloo only: any other backend
+    # (NCCL; on the host the strict_async test backend) runs the device path, in place.
+    if waits_on_host(group) and _aliases(out, shard):
+        shard = shard.clone()
     work = _all_gather_tensor(out, shard, group=group, async_op=True)
     return PendingWork(work, "all_gather", (out, shard), label=label, group=group)
 
@@ -189,12 +200,69 @@ def reduce_scatter_sum(
     if gloo_p2p.p2p_enabled(group, stats.p2p):
         work = gloo_p2p.reduce_scatter_sum(out, full, group)
         return PendingWork(work, "reduce_scatter", (out, full))
-    if dist.get_backend(group) == "gloo":
+    if waits_on_host(group):
         work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=True)
         chunk = full.view(-1, out.numel())[dist.get_rank(group)]
         return PendingWork(work, "reduce_scatter", (out, full), then=lambda _: out.copy_(chunk))
     work = _reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
     return PendingWork(work, "reduce_scatter", (out, full), label=label, group=group)
+
+
+def all_to_all_sum(
+    out: torch.Tensor,
+    full: torch.Tensor,
+    wire: torch.Tensor,
+    received: torch.Tensor,
+    group: dist.ProcessGroup,
+    stats: CommStats,
+    label: str = "",
+) -> PendingWork:
+    """Async: like :func:`reduce_scatter_sum`, with ``full`` sent in ``wire``'s (narrower)
+    dtype and summed in ``out``'s where it arrives: ``full`` is cast into ``wire``, an
+    all-to-all hands rank ``r`` every rank's chunk ``r`` (``received``, ``[world, S]`` in
+    the wire dtype), and the sum over those rows, in ``out``'s dtype, fills ``out`` once the
+    wait has returned. ``wire`` and ``received`` are allocated by the caller (on the compute
+    stream: rule 1 of [Note: streams and buffer lifetimes] in core/streams.py), and the sum
+    runs at the wait: on the stream that waits (rule 3). On a point-to-point Gloo group the
+    chunks go straight to their owners (``_p2p_all_to_all``), not through ``gloo_p2p``'s
+    ring, which sums as it passes chunks on (so in the wire dtype)."""
+    wire.copy_(full)
+    stats.record("all_to_all", wire, group, label)  # half an fp32 reduce-scatter's bytes
+    if gloo_p2p.p2p_enabled(group, stats.p2p):
+        work = _p2p_all_to_all(received, wire, group)
+    else:
+        work = dist.all_to_all_single(received, wire, group=group, async_op=True)
+    rows = received.view(-1, out.numel())
+
+    def sum_rows(_) -> None:  # in rank order; 1.5-4x faster on CPU than torch.sum(dtype=)
+        out.copy_(rows[0])
+        for row in rows[1:]:
+            out.add_(row)  # fp32 += bf16: the addition is fp32
+
+    pending = PendingWork(work, "all_to_all", (out, full, wire, received), label=label, group=group)
+    pending.add_then(sum_rows)
+    return pending
+
+
+A2A_TAG = 0x46532000  # beside gloo_p2p's tags ([Note: p2p message matching] there)
+
+
+def _p2p_all_to_all(
+    received: torch.Tensor, sent: torch.Tensor, group: dist.ProcessGroup
+) -> gloo_p2p.P2PWork:
+    """Gloo point-to-point all-to-all: chunk ``d`` of ``sent`` to rank ``d``, rank ``s``'s
+    chunk ``r`` into row ``s`` of ``received``; all posted at once, as ``gloo_p2p.all_gather``
+    (measured faster than Gloo's ``alltoall`` at worlds 2-8: docs/mixed_precision.md)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    outgoing, incoming = sent.view(world, -1), received.view(world, -1)
+    works = []
+    for offset in range(1, world):  # pair up as rank+k / rank-k so sends and receives interleave
+        dst, src = (rank + offset) % world, (rank - offset) % world
+        peer_dst, peer_src = dist.get_global_rank(group, dst), dist.get_global_rank(group, src)
+        works.append(dist.isend(outgoing[dst], peer_dst, group=group, tag=A2A_TAG))
+        works.append(dist.irecv(incoming[src], peer_src, group=group, tag=A2A_TAG))
+    incoming[rank].copy_(outgoing[rank])
+    return gloo_p2p.P2PWork(works, [])
 
 
 def sends_from_pieces(group: dist.ProcessGroup, stats: CommStats) -> bool:

@@ -32,6 +32,7 @@ bytes silently. Gloo's own collectives use separate (prefixed) slots, so they ne
 from __future__ import annotations
 
 import datetime
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -47,7 +48,23 @@ def p2p_enabled(group: dist.ProcessGroup, allowed: bool = True) -> bool:
     ``allowed`` (the model's ``FLATSHARD_GLOO_P2P`` switch, see ``flatshard.core.switches``)."""
     if not allowed:
         return False
-    return dist.get_backend(group) == "gloo" and 2 <= dist.get_world_size(group) <= MAX_P2P_WORLD
+    backend, world = described(group)
+    return backend == "gloo" and 2 <= world <= MAX_P2P_WORLD
+
+
+_DESCRIBED: dict[int, tuple[weakref.ref, str, int]] = {}  # id(group) -> (group, backend, size)
+
+
+def described(group: dist.ProcessGroup) -> tuple[str, int]:
+    """``group``'s backend name and size, looked up once per group: every collective asks
+    (which algorithm, which wait), and each lookup costs microseconds of host time, which
+    add up per unit on the device path (``bench/bench_host_overhead.py``). Keyed by id, the
+    entry names its group (an id is reused once a group is gone)."""
+    found = _DESCRIBED.get(id(group))
+    if found is None or found[0]() is not group:
+        backend, size = str(dist.get_backend(group)), dist.get_world_size(group)
+        found = _DESCRIBED[id(group)] = (weakref.ref(group), backend, size)
+    return found[1], found[2]
 
 
 class P2PWork:

@@ -34,9 +34,9 @@ Python process group's ``_timeout``; else torch's default for the backend). The 
 watchdog measures from the same moment (the work's creation on the host), so flatshard's
 message comes at least 20% of T early: 480 s against NCCL's 600 s at the defaults, 2 minutes
 for it to be flushed and collected before the job is killed. A smaller flatshard timeout
-(``fs.shard(timeout_s=)``, ``FLATSHARD_TIMEOUT_S``) fires earlier. flatshard's timeout is
-read from the environment when the thread starts and then taken from every wait (the
-engine passes its own timeout to each ``PendingWork.wait``).
+(``fs.shard(timeout_s=)``, ``FLATSHARD_TIMEOUT_S``) fires earlier. The action and the timeout
+are the ones ``fs.shard`` read (``adopt``, see [Note: one watchdog per process]); the timeout
+is then also taken from every wait (the engine passes its own to each ``PendingWork.wait``).
 
 Costs and limits: the watchdog holds each registered ``Work`` until the first poll after it
 completed, as the group's own watchdog does; a ``Work`` may hold its tensors, so they can
@@ -140,6 +140,7 @@ class Watchdog:
         self.pending: CollectiveHang | None = None  # raised by the main thread at its next wait
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.started = False  # start() was called (and stop() not since)
 
     def watch(self, work, op: str, label: str = "", group=None) -> None:
         """Register a collective just issued (O(1), no lock)."""
@@ -147,6 +148,7 @@ class Watchdog:
             self._new.append(Entry(work, op, label, group, self._clock()))
 
     def start(self) -> None:
+        self.started = True
         if self.action == "off" or self.running():
             return
         self._stop.clear()
@@ -155,6 +157,7 @@ class Watchdog:
         self._thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
+        self.started = False
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
@@ -282,18 +285,44 @@ def _abort(group) -> None:
 
 
 # ---- the process's watchdog -----------------------------------------------------------------
+# [Note: one watchdog per process]
+# The thread watches every collective the process issues off Gloo, whichever model issued it
+# (``PendingWork`` registers without knowing its model), so there is one per process. Its
+# settings are a model's: ``fs.shard`` hands it the switches it read (``adopt``), and a later
+# ``fs.shard`` the ones it read (the environment is per process, so they differ only when the
+# program changed it in between). A process that issues flatshard collectives off Gloo and
+# never called ``fs.shard`` (a ``fs.GradScaler`` over plain parameters) has no model to take
+# them from: its first registration reads the environment once.
 _DOG: Watchdog | None = None
-_MAKING = threading.Lock()  # taken once per process, by the first registration
+_MAKING = threading.Lock()  # taken by fs.shard and by the first registration
 
 
 def current() -> Watchdog | None:
-    """The process's watchdog, None until a collective was issued off Gloo."""
+    """The process's watchdog, None until ``fs.shard`` or a collective issued off Gloo."""
     return _DOG
+
+
+def adopt(action: str, timeout_s: float) -> None:
+    """``fs.shard``: the process's watchdog takes the switches the model read
+    (``FLATSHARD_WATCHDOG``, its timeout). Its thread starts at the first collective off Gloo
+    (on Gloo it never does). ``ValueError`` for an unknown action."""
+    global _DOG
+    if action not in ACTIONS:
+        raise ValueError(f"FLATSHARD_WATCHDOG={action!r}: use one of {', '.join(ACTIONS)}")
+    with _MAKING:
+        if _DOG is None:
+            _DOG = Watchdog(action=action, timeout_s=timeout_s)
+        else:
+            _DOG.action, _DOG.timeout_s = action, timeout_s
+            if action == "off":
+                _DOG.stop()
 
 
 def watch(work, op: str, label: str = "", group=None) -> None:
     """Register a collective just issued off Gloo; the first one starts the thread."""
-    dog = _DOG if _DOG is not None else _make()
+    dog = _DOG
+    if dog is None or (dog.action != "off" and not dog.started):
+        dog = _make()
     dog.watch(work, op, label, group)
 
 
@@ -329,13 +358,14 @@ def reset() -> None:
 
 
 def _make() -> Watchdog:
+    """The process's watchdog, started: the one ``fs.shard`` set up, or (no sharded model in
+    this process, see [Note: one watchdog per process]) one set from the environment."""
     global _DOG
     with _MAKING:
         if _DOG is None:
             action = os.environ.get("FLATSHARD_WATCHDOG", "") or "raise"
-            dog = Watchdog(action=action, timeout_s=_env_timeout_s())
-            dog.start()
-            _DOG = dog
+            _DOG = Watchdog(action=action, timeout_s=_env_timeout_s())
+        _DOG.start()
     return _DOG
 
 

@@ -36,7 +36,8 @@ def build_state(
     options: ShardOptions,
 ) -> ShardedState:
     """The units of ``plan`` over ``topology``, and the state that drives them."""
-    stats = CommStats(checker=OpChecker() if switches.debug else None, p2p=switches.gloo_p2p)
+    checker = OpChecker() if switches.debug else None
+    stats = CommStats(checker=checker, p2p=switches.gloo_p2p, reduce_wire=options.comm.reduce)
     units, owned, slots = _build_units(model, plan, topology, stats, options)
     buckets = plan_for(options.coalesce, units, model)
     units = merge_buckets(units, buckets, owned, slots, options.mixed_precision, options.offload)
@@ -78,7 +79,10 @@ def describe(model: nn.Module, plan: WrapPlan, options: ShardOptions) -> list[st
     for name, b in model.named_buffers():
         lines.append(f"buffer {name} {tuple(b.shape)} {b.dtype}")
     lines += [f"reshard_root={options.reshard_root}", f"split_root={options.split_root}"]
-    return [*lines, f"coalesce={options.coalesce!r}"]
+    # The bound on every wait, as the switches: ranks that disagree report hangs differently.
+    timeout = f"timeout_s={options.timeout.total_seconds():g}"
+    lines.append(f"{timeout} (fs.shard(timeout_s=) or FLATSHARD_TIMEOUT_S)")
+    return [*lines, f"coalesce={options.coalesce!r}", f"comm={options.comm!r}"]
 
 
 def _mesh_text(plan: WrapPlan, module: nn.Module) -> str:

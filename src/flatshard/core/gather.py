@@ -32,7 +32,7 @@ def _gather_one(group: FlatGroup, topo: Topology, stats: CommStats, label: str) 
     if topo.shard_group is None:  # a group of one: the shard is the whole buffer
         return all_gather_into(full, send_shard(group, stats), None, stats, label)
     own = full.view(group.world, group.shard_numel)[group.rank]
-    with on_side_stream(topo.side_stream("gather")):
+    with on_side_stream(topo.streams, "gather"):
         write_send_shard(group, own, stats)
         return all_gather_into(full, own, topo.shard_group, stats, label)
 

@@ -1,101 +1,59 @@
 """Forward/backward hooks: the training-state machine of every unit.
 
 Flow per unit and iteration:
-  pre-forward   gather (or wait for the prefetched gather), prefetch the next unit, install
-                full-shape views; with grad enabled the views come out of one ``UnitViews``
-                autograd node per unit call
-  post-forward  reinstall fragments, reshard (full_shard), hook the outputs' gradients
+  pre-forward   one function per kind of call (``Entry``: a plain unit's forward, a bucket
+                member's, the root's tail, a recomputation in backward, a reentrant one, none
+                while summoned): gather (or wait for the prefetched gather), prefetch the next
+                unit, install full-shape views; with grad enabled the views come out of one
+                ``UnitViews`` autograd node per unit call (``unit_views.py``)
+  post-forward  one for every unit (see [Note: one post-forward]): hook the outputs'
+                gradients, and when the unit's forward pass is over reinstall fragments and
+                reshard (full_shard)
   pre-backward  (first gradient reaching an output) gather again, prefetch the next unit,
                 install recompute views (see [Note: recomputation] in ``recompute.py``)
   post-backward ``UnitViews.backward`` runs once all of this call's parameter gradients exist:
                 flatten them, and when the unit's last forward call is accounted for,
-                reduce-scatter and reshard
+                reduce-scatter and reshard (``unit_views.py``)
   end of backward  (one queued autograd callback) reduce units whose node never ran, wait,
                 agree across ranks on which parameters were used, assign ``.grad``
 A bucket of coalesced units is one unit whose hooks sit on several modules: its members'
-forward calls go through ``members.py`` (one pass, one node; see [Note: coalesced units]).
+forward calls open through ``members.py`` (one pass, one node; see [Note: coalesced units]).
 
-[Note: fragments in the graph]
-Inside ``fs.pipeline_step`` ``UnitViews`` also takes the unit's trainable fragments as inputs,
-which makes them leaves of the autograd graph, as an unsharded module's parameters are: the
-split-backward schedules run their weight pass as ``autograd.grad`` from saved intermediates
-*to the stage's parameters* (``pipelining/_backward.py``), and that pass is what runs the
-units' nodes then. The fragments get zeros (the real gradients arrive reduced when the step
-ends); the saved views such a late pass unpacks regather their unit on demand
-(``saved_views.enter_regathering``). Outside ``pipeline_step`` the node has no such inputs.
-
-[Note: one autograd node per unit call]
-``UnitViews`` returns every full-shape parameter view of the unit's trainable groups, so its
-backward receives all their gradients at once, ``None`` exactly for parameters this call did
-not use. That single callback is both the post-backward hook (no per-parameter hooks, no
-AccumulateGrad tricks) and the usage detector for unused parameters.
+[Note: one post-forward]
+Plain units and buckets end a forward call in the same ``_post_forward``. A bucket differs
+only in when its forward *pass* is over (``members.end_call``: every member ran and no member
+call is in progress); a plain unit's pass is its outermost call. When the pass is over the
+fragments go back in place and the unit is released (if it reshards after forward), except:
+* after a reentrant recomputation's call: its nested backward follows right away;
+* the last unit of the forward (in the recorded order) when the model has no root tail and
+  grad is enabled: it is the first unit of the backward, so keeping it saves one regather.
+  With the root's tail split off (the default for a model with a final norm or an untied head)
+  the tail's backward comes first and its pre-backward prefetches the last unit behind the
+  head's backward, so the last unit is released before the loss, where memory peaks
+  (docs/performance.md: "the last block released before the loss when there is a tail").
+Until session 13 a bucket had a post-forward of its own (``members.post_forward``) that kept
+the last bucket even with a tail; there is one rule now, tested by
+``tests/test_one_post_forward.py`` on both layouts.
 """
 
 from __future__ import annotations
 
+import enum
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten
 
 from flatshard.core.state import ShardedState, StateMode
 from flatshard.core.unit import ParamState, Unit
+from flatshard.core.unit_views import UnitViews as UnitViews  # re-exported: the node's home
+from flatshard.core.unit_views import call_done, make_views, queue_final_callback, recompute_views
 from flatshard.features import lazy_root, members, recompute, saved_views
 from flatshard.features.compile_boundary import register_plain_keys, register_settling, untraced
 from flatshard.features.recompute import Call, CallKind
 from flatshard.precision import MixedPrecision, cast_floating
-
-
-class UnitViews(torch.autograd.Function):
-    """Hands out full-shape views of a unit's gathered buffers; its backward is post-backward.
-
-    ``counted``: the node of a forward call, whose backward the unit waits for before it
-    reduces (``GradState.pending_nodes``). Uncounted nodes hand out the views of a
-    recomputation (see [Note: recomputation] in ``recompute.py``): their backward only runs
-    when a reentrant checkpoint backpropagates through the recomputed graph, and then adds
-    its gradients to the unit's."""
-
-    @staticmethod
-    def forward(
-        ctx, anchor: torch.Tensor, state: ShardedState, unit: Unit, counted: bool, *fragments
-    ):  # type: ignore[override]
-        del anchor  # only there so that autograd calls backward
-        ctx.state, ctx.unit, ctx.counted = state, unit, counted
-        ctx.fragments = len(fragments)  # see [Note: fragments in the graph]
-        ctx.set_materialize_grads(False)
-        return tuple(v for gi in unit.trainable_groups for v in unit.groups[gi].full_views())
-
-    @staticmethod
-    def backward(ctx, *grads):  # type: ignore[override]
-        if ctx.counted:
-            on_unit_grads(ctx.state, ctx.unit, grads)
-        else:
-            accumulate_grads(ctx.state, ctx.unit, grads, final=False)
-        # Zeros for the fragments (the real gradients arrive reduced, when the step ends).
-        zeros = [torch.zeros_like(f) for f in ctx.unit.trainable_fragments[: ctx.fragments]]
-        return None, None, None, None, *zeros
-
-
-def make_views(
-    state: ShardedState, unit: Unit, *, counted: bool = True
-) -> tuple[list[list[torch.Tensor]], Any]:
-    """Full-shape views per group, autograd-connected when a backward may follow; and the
-    ``UnitViews`` node they come from (None without one)."""
-    trainable = unit.trainable_groups
-    if not (trainable and torch.is_grad_enabled()):
-        return unit.as_parameters([g.full_views() for g in unit.groups]), None
-    leaves = unit.trainable_fragments if state.mode is StateMode.PIPELINE else ()
-    outs = UnitViews.apply(unit.anchor, state, unit, counted, *leaves)
-    it = iter(outs)
-    views = [
-        [next(it) for _ in g.specs] if g.requires_grad else g.full_views() for g in unit.groups
-    ]
-    if counted:
-        unit.grad.pending_nodes += 1
-    return unit.as_parameters(views), outs[0].grad_fn
 
 
 def register_hooks(state: ShardedState) -> list[Any]:
@@ -137,38 +95,90 @@ def register_precision_casts(model: nn.Module, mp: MixedPrecision) -> list[Any]:
     return handles
 
 
-def _pre_forward(state: ShardedState, unit: Unit, module, args, kwargs):
-    if state.mode is StateMode.SUMMONED:  # full parameters installed; no collective may run
-        return None
+class Entry(enum.Enum):
+    """What a unit's pre-forward does for the call starting now (one function each, see
+    ``_ENTRIES``)."""
+
+    SUMMONED = "summoned"  # inside summon_full_params: full parameters installed, no collective
+    FORWARD = "forward"  # a plain unit's forward: gather, prefetch, one counted node per call
+    MEMBER = "member"  # a bucket's member in forward: one pass, one node (members.py)
+    TAIL = "tail"  # the root's tail in forward: placeholders until a parameter is used
+    RECOMPUTE = "recompute"  # in backward, refilling the first forward's saved tensors: views
+    REENTRANT = "reentrant"  # in backward, the graph a nested backward will use: counted node
+
+
+def entry_for(state: ShardedState, unit: Unit) -> Entry:
+    """Which :class:`Entry` a forward call of ``unit`` starting now is."""
+    if state.mode is StateMode.SUMMONED:
+        return Entry.SUMMONED
     kind = recompute.classify_call(unit)
-    # Until the first backward ends (the step order is frozen then): not a per-step cost. A
-    # merged unit's pass in progress has its other members' views in place.
-    first_step = kind is CallKind.FORWARD and state.forward_order.frozen is None
-    if first_step and unit.forward_depth == 0 and not unit.forward_pass.started:
+    if kind is CallKind.RECOMPUTE:
+        return Entry.RECOMPUTE
+    if kind is CallKind.REENTRANT:
+        return Entry.REENTRANT
+    return Entry.TAIL if unit.is_tail else Entry.MEMBER if unit.merged else Entry.FORWARD
+
+
+def _pre_forward(state: ShardedState, unit: Unit, module, args, kwargs):
+    entry = entry_for(state, unit)
+    # Until the first backward ends (the step order is frozen then): not a per-step cost.
+    if state.forward_order.frozen is None and entry in (Entry.FORWARD, Entry.MEMBER, Entry.TAIL):
+        _first_step_checks(state, unit, module, entry)
+    _ENTRIES[entry](state, unit, module)
+    return None
+
+
+def _first_step_checks(state: ShardedState, unit: Unit, module, entry: Entry) -> None:
+    """Parameters still in place; which member ran when (checks the buckets' order). A
+    merged unit's pass in progress has its other members' views in place."""
+    if unit.forward_depth == 0 and not unit.forward_pass.started:
         _check_fragments_in_place(unit)
-    if unit.is_tail and kind is CallKind.FORWARD:
-        return _pre_forward_tail(state, unit)
-    member = unit.member_position(module)
-    if first_step:
-        state.observe_member(unit, member)
-    if unit.merged and kind is CallKind.FORWARD:
-        return members.pre_forward(state, unit, member, _OPS)
-    if unit.merged:  # in backward: this member's forward is recomputed now
-        unit.nograd_members.discard(member)
+    if entry is not Entry.TAIL:
+        state.observe_member(unit, unit.member_position(module))
+
+
+def _enter_summoned(state: ShardedState, unit: Unit, module) -> None:
+    return None
+
+
+def _enter_forward(state: ShardedState, unit: Unit, module) -> None:
     state.gather_for_step(unit)
-    if kind is CallKind.RECOMPUTE:  # gradients flow through the first forward's graph
-        unit.install_views(recompute_views(state, unit))
-        unit.calls.append(Call(kind))
-        return None
-    if kind is CallKind.FORWARD:
-        state.forward_order.observe(unit)
-        state.prefetch(state.ahead(state.forward_order, unit, state.prefetch_policy.forward))
+    state.forward_order.observe(unit)
+    state.prefetch(state.ahead(state.forward_order, unit, state.prefetch_policy.forward))
+    _open_call(state, unit, CallKind.FORWARD)
+
+
+def _enter_member(state: ShardedState, unit: Unit, module) -> None:
+    members.pre_forward(state, unit, unit.member_position(module), _OPS)
+
+
+def _enter_recompute(state: ShardedState, unit: Unit, module) -> None:
+    """Gradients flow through the first forward's graph: views only, no node."""
+    _recomputing(unit, module)
+    state.gather_for_step(unit)
+    unit.install_views(recompute_views(state, unit))
+    unit.calls.append(Call(CallKind.RECOMPUTE))
+
+
+def _enter_reentrant(state: ShardedState, unit: Unit, module) -> None:
+    _recomputing(unit, module)
+    state.gather_for_step(unit)
+    _open_call(state, unit, CallKind.REENTRANT)
+
+
+def _recomputing(unit: Unit, module) -> None:
+    """A bucket's member recomputed in backward: its ``no_grad`` forward is made up for."""
+    if unit.merged:
+        unit.nograd_members.discard(unit.member_position(module))
+
+
+def _open_call(state: ShardedState, unit: Unit, kind: CallKind) -> None:
+    """Install this call's views, from one counted node when grad is enabled."""
     _enter_saved_views(state, unit)
     views, node = make_views(state, unit)
     unit.install_views(views)
     unit.forward_depth += 1
     unit.calls.append(Call(kind, node))
-    return None
 
 
 def _enter_saved_views(state: ShardedState, unit: Unit) -> None:
@@ -194,7 +204,7 @@ def _check_fragments_in_place(unit: Unit) -> None:
         )
 
 
-def _pre_forward_tail(state: ShardedState, unit: Unit) -> None:
+def _enter_tail(state: ShardedState, unit: Unit, module) -> None:
     """The root's tail: its gather is started, and its views (with their ``UnitViews`` node)
     made at the first use of one of its parameters, behind the blocks: autograd runs the ready
     node with the highest sequence number first, so a node made at the root's pre-forward
@@ -224,6 +234,7 @@ def _tail_views(state: ShardedState, unit: Unit, call: Call) -> list[list[torch.
 
 
 def _post_forward(state: ShardedState, unit: Unit, module, args, kwargs, output):
+    """See [Note: one post-forward]."""
     if state.mode is StateMode.SUMMONED:
         return None
     call = unit.calls.pop() if unit.calls else Call(CallKind.FORWARD)
@@ -232,32 +243,45 @@ def _post_forward(state: ShardedState, unit: Unit, module, args, kwargs, output)
         _tail_views(state, unit, call)  # unused in this forward: its node must exist all the same
     if call.kind is CallKind.RECOMPUTE:  # views stay until this unit's post-backward
         return None
-    if unit.merged and call.kind is CallKind.FORWARD:
-        return members.post_forward(state, unit, module, (args, kwargs), output, call, _OPS)
     saved_views.leave(unit)
     unit.forward_depth = max(0, unit.forward_depth - 1)
-    if unit.forward_depth == 0:  # not inside an outer call of the same unit (register_method)
-        unit.install_fragments()
-        # The last unit of the forward is the first of the backward: keep it (one regather
-        # less per step). Only with grad: a no-grad forward has no backward to wait for. A
-        # reentrant recomputation is backpropagated right away: keep it too.
-        # With the root's tail split off, the tail's backward comes first and prefetches the
-        # last unit behind the head's backward: it need not be held through the loss.
-        last = state.forward_order.is_last(unit)
-        keep_last = last and not state.tail_first
-        keep = call.kind is CallKind.REENTRANT or (keep_last and torch.is_grad_enabled())
-        if unit.reshard_after_forward and not keep:
-            unit.reshard(state.timeout)
-        if last and state.pool is not None and call.kind is CallKind.FORWARD:
-            state.pool.trim()
+    in_pass = unit.merged and call.kind is CallKind.FORWARD
     if torch.is_grad_enabled() and unit.grad.pending_nodes > 0:
         _hook_output_grads(state, unit, output)
-    if call.node is not None and not recompute.output_reaches(unit, output, call.node):
-        # Nothing of the output depends on the views (a reentrant checkpoint inside the
-        # unit ran them under no_grad): this call's node will never run; its gradients come
-        # from the recomputation, and the unit's inputs tell when they are complete.
-        _post_backward_on_inputs(state, unit, (args, kwargs))
+    if call.node is not None:
+        _settle_node(state, unit, call, in_pass, (args, kwargs), output)
+    if in_pass and not members.end_call(unit, module):
+        return None  # the bucket's forward pass goes on
+    if unit.forward_depth == 0:  # not inside an outer call of the same unit (register_method)
+        _release_after_forward(state, unit, call)
     return None
+
+
+def _settle_node(state: ShardedState, unit: Unit, call: Call, in_pass: bool, inputs, output):
+    """Will this call's node run? If nothing of the output depends on the views (a reentrant
+    checkpoint inside the unit ran them under ``no_grad``) it never will: the gradients come
+    from the recomputation, and the unit's inputs tell when they are complete. A bucket's
+    pass shares one node: such a member call gets a count of its own, and the pass's node
+    keeps its count only if some member's output reached it (``members.end_call``)."""
+    if recompute.output_reaches(unit, output, call.node):
+        if in_pass:
+            unit.forward_pass.reached = True
+        return
+    if in_pass:
+        unit.grad.pending_nodes += 1
+    _post_backward_on_inputs(state, unit, inputs)
+
+
+def _release_after_forward(state: ShardedState, unit: Unit, call: Call) -> None:
+    """The forward pass of ``unit`` is over: fragments back, and release it unless backward
+    needs it next (see [Note: one post-forward])."""
+    unit.install_fragments()
+    last = state.forward_order.is_last(unit)
+    keep_last = last and not state.tail_first and torch.is_grad_enabled()
+    if unit.reshard_after_forward and not (call.kind is CallKind.REENTRANT or keep_last):
+        unit.reshard(state.timeout)
+    if last and state.pool is not None and call.kind is CallKind.FORWARD:
+        state.pool.trim()
 
 
 PRE_BACKWARD = "_flatshard_pre_backward"  # on an output: [(hook handle, state, unit), ...]
@@ -277,7 +301,7 @@ def _post_backward_on_inputs(state: ShardedState, unit: Unit, inputs) -> None:
     usually the output of the unit before: that unit's pre-backward hook, registered earlier on
     the same tensor, would run first (hooks run in registration order) and gather it while this
     one is still gathered; so it is moved behind ours."""
-    tensors = recompute.post_backward_on_inputs(inputs, partial(_call_done, state, unit))
+    tensors = recompute.post_backward_on_inputs(inputs, partial(call_done, state, unit))
     for t in tensors:
         hooked = getattr(t, PRE_BACKWARD, None) or []
         for handle, _, _ in hooked:
@@ -288,7 +312,7 @@ def _post_backward_on_inputs(state: ShardedState, unit: Unit, inputs) -> None:
 
 
 def _pre_backward(state: ShardedState, unit: Unit, grad: torch.Tensor) -> None:
-    _queue_final_callback(state)
+    queue_final_callback(state)
     state.backward_order.observe(unit)
     if unit.lazy_now and unit.state is ParamState.SHARDED:  # see [Note: the lazy root]
         unit.on_demand_views = None
@@ -317,59 +341,13 @@ def _on_demand_views(state: ShardedState, unit: Unit) -> list[list[torch.Tensor]
     return unit.on_demand_views
 
 
-def recompute_views(state: ShardedState, unit: Unit) -> list[list[torch.Tensor]]:
-    """Full views for a forward recomputed in backward (activation checkpointing): outputs of
-    an uncounted ``UnitViews`` node, so the recomputed ops save exactly the tensors the first
-    forward saved, and a reentrant checkpoint's nested backward hands their gradients to the
-    unit. Installed by every pre-backward: a recomputation inside the unit's own forward code
-    fires no hook of ours."""
-    with torch.enable_grad():
-        return make_views(state, unit, counted=False)[0]
-
-
-def accumulate_grads(state: ShardedState, unit: Unit, grads: tuple, *, final: bool) -> None:
-    """Add one node's per-parameter gradients to the unit's. ``final``: the node of a forward
-    call (not a recomputation's), which may be the last before the unit reduces."""
-    _queue_final_callback(state)
-    reduce_now = final and _reduce_right_away(state, unit)
-    unit.accumulate(grads, reduce_now=reduce_now)
-
-
-def on_unit_grads(state: ShardedState, unit: Unit, grads: tuple) -> None:
-    """Post-backward of one unit call: accumulate its gradients; reduce after the last call."""
-    accumulate_grads(state, unit, grads, final=True)
-    _call_done(state, unit)
-
-
-def _call_done(state: ShardedState, unit: Unit) -> None:
-    """One forward call's backward is over; after the last one, reduce and reshard."""
-    _queue_final_callback(state)
-    unit.grad.pending_nodes = max(0, unit.grad.pending_nodes - 1)
-    if unit.grad.pending_nodes == 0 and members.defer_to_reentrant(unit):
-        unit.install_fragments()  # kept gathered for that member's recomputation
-    elif unit.grad.pending_nodes == 0:
-        if not state.mode.defers_reduction:
-            state.launch_reduce(unit)
-        unit.install_fragments()
-        unit.reshard(state.timeout)
-        if state.prefetch_policy.backward == "post":
-            state.prefetch(state.ahead(state.backward_order, unit))
-
-
-def _reduce_right_away(state: ShardedState, unit: Unit) -> bool:
-    """This call's gradients are the unit's last of this backward and get reduced next."""
-    return (
-        unit.grad.pending_nodes == 1
-        and not state.mode.defers_reduction
-        and not members.defer_to_reentrant(unit)
-    )
-
-
 # What a bucket's member calls share with a plain unit call (see members.py).
-_OPS = members.HookOps(make_views, _enter_saved_views, _hook_output_grads, _post_backward_on_inputs)
-
-
-def _queue_final_callback(state: ShardedState) -> None:
-    if not state.final_callback_queued:
-        state.final_callback_queued = True
-        Variable._execution_engine.queue_callback(state.finish_backward)
+_OPS = members.HookOps(make_views, _enter_saved_views)
+_ENTRIES = {
+    Entry.SUMMONED: _enter_summoned,
+    Entry.FORWARD: _enter_forward,
+    Entry.MEMBER: _enter_member,
+    Entry.TAIL: _enter_tail,
+    Entry.RECOMPUTE: _enter_recompute,
+    Entry.REENTRANT: _enter_reentrant,
+}

@@ -22,13 +22,14 @@ lowest global rank of the mesh.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from flatshard.comm.collectives import waits_on_host
 from flatshard.core.strategy import STRATEGIES, MeshRole, ShardingStrategy
-from flatshard.core.streams import CommStreams, comm_streams
+from flatshard.core.streams import NO_STREAMS, Streams, streams_for
 
 
 @dataclass(frozen=True)
@@ -41,18 +42,17 @@ class Topology:
     # Every rank of the mesh, even when that is this rank alone (a real group, never None:
     # DCP given no group would fall back to the default group).
     mesh_group: dist.ProcessGroup
-    # ``groups`` as groups that reduce host tensors (the same ones on Gloo; Gloo groups over
-    # the same ranks under NCCL): host-side agreements never drain the device.
+    # ``groups`` on Gloo (the usage agreement's host path); empty on a device backend, which
+    # agrees on the device (core/usage.py) and makes no Gloo side group.
     host_groups: tuple[dist.ProcessGroup, ...] = ()
-    # CUDA only: the side streams gathers and reductions are issued from (core/streams.py).
-    streams: CommStreams | None = None
+    # Every stream operation of the model, and the side streams gathers and reductions are
+    # issued from (core/streams.py): CUDA's, a process group's virtual ones, or none.
+    streams: Streams = NO_STREAMS
     # A unit on its own mesh averages its gradients over the model's data-parallel world, not
     # over its mesh (see [Note: per-unit meshes] in unit_mesh.py); None: over its mesh.
     divide_by: int | None = None
-
-    def side_stream(self, kind: str) -> torch.cuda.Stream | None:
-        """The ``"gather"`` or ``"reduce"`` side stream, or None (CPU: no streams)."""
-        return getattr(self.streams, kind) if self.streams is not None else None
+    # The process groups made for this model (see MadeGroups): they live and die with it.
+    made: MadeGroups = field(default_factory=lambda: MadeGroups(), compare=False, repr=False)
 
     @property
     def is_mesh_first(self) -> bool:
@@ -77,13 +77,15 @@ def require_initialized() -> None:
         )
 
 
-def resolve_topology(strategy: ShardingStrategy, mesh) -> Topology:
-    """``mesh`` read the way ``strategy`` reads it (see core/strategy.py)."""
+def resolve_topology(strategy: ShardingStrategy, mesh, made: MadeGroups | None = None) -> Topology:
+    """``mesh`` read the way ``strategy`` reads it (see core/strategy.py); the groups it has
+    to make go into ``made`` (default: new, the model's own)."""
+    made = MadeGroups() if made is None else made
     roles = STRATEGIES[strategy].dims
     dims = _mesh_groups(mesh, strategy, len(roles))
     shard = next((g for r, g in zip(roles, dims, strict=True) if r is MeshRole.SHARD), None)
     replicate = next((g for r, g in zip(roles, dims, strict=True) if r is MeshRole.REPLICATE), None)
-    whole = dims[0] if len(dims) == 1 else _whole_mesh_group(mesh)
+    whole = dims[0] if len(dims) == 1 else _whole_mesh_group(mesh, made)
     device = compute_device(whole)  # asked before size-one groups become None
     shard = shard if shard is not None and dist.get_world_size(shard) > 1 else None
     replicate = replicate if replicate is not None and dist.get_world_size(replicate) > 1 else None
@@ -94,18 +96,28 @@ def resolve_topology(strategy: ShardingStrategy, mesh) -> Topology:
         shard_world=dist.get_world_size(shard) if shard is not None else 1,
         device=device,
         mesh_group=whole,
-        host_groups=tuple(_host_group(g) for g in (shard, replicate) if g is not None),
-        streams=comm_streams(device),
+        host_groups=_host_groups(shard, replicate, whole, made),
+        streams=streams_for(device, whole),
     )
 
 
-def _host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+def _host_groups(shard, replicate, whole, made: MadeGroups) -> tuple[dist.ProcessGroup, ...]:
+    """The groups the host path of the usage agreement reduces over: on Gloo only (they are
+    the groups themselves). A device backend agrees on the device, over ``whole`` (see
+    [Note: how usage is agreed] in core/usage.py), so it makes no Gloo side group: a job on
+    NCCL needs no Gloo networking between its nodes."""
+    if not waits_on_host(whole):
+        return ()
+    return tuple(_host_group(g, made) for g in (shard, replicate) if g is not None)
+
+
+def _host_group(group: dist.ProcessGroup, made: MadeGroups) -> dist.ProcessGroup:
     """A group over ``group``'s ranks that reduces CPU tensors: itself when its backend has
     Gloo (``gloo``, ``cpu:gloo,cuda:nccl``), else a Gloo group made by those ranks alone
-    (kept per rank set, like the 2-D mesh groups)."""
+    (kept in ``made``, like the 2-D mesh groups)."""
     if "gloo" in str(dist.get_backend(group)):
         return group
-    return members_group(tuple(dist.get_process_group_ranks(group)), "gloo")
+    return members_group(tuple(dist.get_process_group_ranks(group)), "gloo", made)
 
 
 def _mesh_groups(mesh, strategy: ShardingStrategy, ndim: int) -> list[dist.ProcessGroup]:
@@ -113,35 +125,49 @@ def _mesh_groups(mesh, strategy: ShardingStrategy, ndim: int) -> list[dist.Proce
     return [_one_group(mesh, strategy)] if ndim == 1 else _two_groups(mesh, strategy)
 
 
-def _whole_mesh_group(mesh) -> dist.ProcessGroup:
+def _whole_mesh_group(mesh, made: MadeGroups) -> dist.ProcessGroup:
     """One group over every rank of a 2-D mesh: the default group when the mesh spans it,
-    otherwise a group of the mesh's ranks (made once per rank set and kept; only the mesh's
-    ranks take part in making it, so a mesh that is one slice of a bigger job never waits on
-    the others)."""
+    otherwise a group of the mesh's ranks (made once per rank set and kept in ``made``; only
+    the mesh's ranks take part in making it, so a mesh that is one slice of a bigger job
+    never waits on the others)."""
     ranks = tuple(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
     if len(ranks) == dist.get_world_size():  # world: does the mesh span every rank?
         return dist.group.WORLD  # world: the mesh spans every rank, so its group is the world
-    return members_group(ranks, str(dist.get_backend(mesh.get_group(0))))
+    return members_group(ranks, str(dist.get_backend(mesh.get_group(0))), made)
 
 
-def members_group(ranks: tuple[int, ...], backend: str) -> dist.ProcessGroup:
+def members_group(ranks: tuple[int, ...], backend: str, made: MadeGroups) -> dist.ProcessGroup:
     """A ``backend`` group over ``ranks`` that only those ranks take part in making, made
-    once per (ranks, backend) and kept, so sharding many models over one mesh makes one."""
+    once per (ranks, backend) and kept in ``made`` (the model's, ``Topology.made``)."""
     # A set of every rank on the default backend is the default group; a new group made with
     # local synchronization over it hung once the job had made hashed-name groups before.
     world = len(ranks) == dist.get_world_size()  # world: do the ranks span every rank?
     if world and backend == str(dist.get_backend()):
         return dist.group.WORLD  # world: the ranks are every rank, so their group is the world
-    key = (id(dist.group.WORLD), ranks, backend)  # world: a new init_process_group starts afresh
-    if key not in _MESH_GROUPS:
-        _MESH_GROUPS[key] = dist.new_group(
-            list(ranks), backend=backend, use_local_synchronization=True
-        )
-    return _MESH_GROUPS[key]
+    return made.get(ranks, backend)
 
 
-# The groups ``members_group`` made, by (default group, ranks, backend).
-_MESH_GROUPS: dict[tuple, dist.ProcessGroup] = {}
+class MadeGroups:
+    """The process groups flatshard made for one model, by (ranks, backend), kept on its
+    ``Topology`` (no process-wide cache: a model's groups are found from the model, and a
+    new ``init_process_group`` cannot meet a stale one).
+
+    Making a group is a collective of its ranks, so every rank of it must ask for the same
+    groups in the same order: they do, as they run the same ``fs.shard`` (and ``fs.save``)
+    calls. Sharding two models over one mesh slice makes two groups; torch keeps every
+    group it made until ``destroy_process_group``."""
+
+    def __init__(self) -> None:
+        self._groups: dict[tuple[tuple[int, ...], str], dist.ProcessGroup] = {}
+
+    def get(self, ranks: tuple[int, ...], backend: str) -> dist.ProcessGroup:
+        """The ``backend`` group over ``ranks``, made at the first request."""
+        key = (ranks, backend)
+        if key not in self._groups:
+            self._groups[key] = dist.new_group(
+                list(ranks), backend=backend, use_local_synchronization=True
+            )
+        return self._groups[key]
 
 
 def _one_group(mesh, strategy: ShardingStrategy) -> dist.ProcessGroup:

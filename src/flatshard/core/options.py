@@ -18,7 +18,7 @@ from flatshard.core.meta_init import InitFn, has_meta, model_init_fn
 from flatshard.core.state import STATE_ATTR
 from flatshard.core.strategy import ShardingStrategy, reshards_after_forward
 from flatshard.offload import CPUOffload
-from flatshard.precision import MixedPrecision
+from flatshard.precision import LOW_PRECISION, Comm, MixedPrecision
 from flatshard.prefetch import Prefetch
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -57,6 +57,9 @@ class ShardOptions:
     """The root's parameters used only after the last unit (final norm, output head) form a
     unit of their own over the root module, gathered with the root but reduced and released
     as soon as their backward is done (see ``features/root_split.py``)."""
+    comm: Comm
+    """``fs.Comm(reduce="bf16")``: the wire format of the gradient reduction (default
+    ``fs.Comm()``: gradients travel in ``reduce_dtype``); see docs/mixed_precision.md."""
 
 
 def parse_options(
@@ -70,6 +73,7 @@ def parse_options(
     reshard_root,
     coalesce,
     split_root,
+    comm=None,
 ) -> ShardOptions:
     _check_model(model)
     try:
@@ -91,13 +95,14 @@ def parse_options(
             "units stay gathered until their backward (use full_shard or hybrid_shard)",
             stacklevel=3,
         )
+    comm = _comm(comm, parsed, mixed_precision)
     prefetch = prefetch if prefetch is not None else Prefetch()
     timeout = _timeout(timeout_s)
     if init_fn is None and has_meta(model):
         init_fn = model_init_fn(model)  # a transformers model: its own _init_weights
     return ShardOptions(
         parsed, mixed_precision, offload, timeout, init_fn, prefetch, reshard_root,
-        _coalesce(coalesce), bool(split_root),
+        _coalesce(coalesce), bool(split_root), comm,
     )  # fmt: skip
 
 
@@ -112,6 +117,29 @@ def _coalesce(coalesce: Coalesce | bool | None) -> Coalesce:
             "True (the default) or False"
         )
     return coalesce
+
+
+def _comm(comm: Comm | None, strategy: ShardingStrategy, mp: MixedPrecision | None) -> Comm:
+    """``comm`` checked, with a warning where its wire format cannot change anything."""
+    if comm is None:
+        return Comm()
+    if not isinstance(comm, Comm):
+        raise TypeError(f"comm={comm!r}: pass fs.Comm(reduce='bf16') (or None)")
+    if comm.reduce is None:
+        return comm
+    low = mp.effective_reduce_dtype if mp is not None else None
+    if strategy is ShardingStrategy.NO_SHARD or low in LOW_PRECISION:
+        why = (
+            "no_shard has no reduce-scatter (its gradients are all-reduced)"
+            if strategy is ShardingStrategy.NO_SHARD
+            else f"gradients already travel in reduce_dtype={low}"
+        )
+        warnings.warn(
+            f"fs.shard(comm=fs.Comm(reduce={comm.reduce!r})) has no effect: {why}; it applies "
+            "to an fp32 reduce_dtype under a sharded strategy",
+            stacklevel=4,
+        )
+    return comm
 
 
 def _check_model(model) -> None:

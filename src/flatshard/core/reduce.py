@@ -16,8 +16,11 @@ collective's inputs, not its sums: ``no_shard`` (no shard group: the flat gradie
 shard's gradient, only the replicate all-reduce runs) and the
 per-parameter pieces of a Gloo point-to-point group (``reduces_pieces``: the ring sends each
 parameter's part of a chunk straight from autograd's gradient, no flat copy). The mean is a
-sum then a division, split around the sum for fp16 (``precision.sum_scaling``). After the
-wait, the ranks agree on which parameters were used (state.py) and ``assign_grads`` hands
+sum then a division, split around the sum for fp16 (``precision.sum_scaling``). A wire
+format (``fs.Comm(reduce="bf16")``) changes the collective, not the sums' dtype: the
+reduce-scatter becomes an all-to-all in bf16 and an fp32 sum where the chunks arrive
+(``reduce_on_wire``, [Note: a narrow wire, a wide sum]). After the
+wait, the ranks agree on which parameters were used (usage.py) and ``assign_grads`` hands
 out the slices.
 """
 
@@ -32,6 +35,7 @@ from flatshard.comm.collectives import (
     CommStats,
     PendingWork,
     all_reduce_sum,
+    all_to_all_sum,
     reduce_scatter_pieces_sum,
     reduce_scatter_sum,
     sends_from_pieces,
@@ -40,9 +44,9 @@ from flatshard.comm.collectives import (
 from flatshard.core.flat_group import FlatGroup
 from flatshard.core.layout import chunk_spans
 from flatshard.core.mesh import Topology
-from flatshard.core.streams import on_side_stream
+from flatshard.core.streams import NO_STREAMS, on_side_stream
 from flatshard.offload import copy_to_host
-from flatshard.precision import sum_scaling
+from flatshard.precision import sum_scaling, wire_dtype
 
 PIECES_MIN_BYTES = 1 << 20  # see reduces_pieces
 Grad = torch.Tensor | tuple  # a padded flat gradient, or per-parameter ones (None: unused)
@@ -60,8 +64,9 @@ class PendingReduce:
     def wait(self, timeout) -> None:
         self.work.wait(timeout)
 
-    def assign(self, used_globally: torch.Tensor, stats: CommStats) -> None:
-        """Hand the fragments their gradients (after the ranks agreed on usage)."""
+    def assign(self, used_globally: list[bool], stats: CommStats) -> None:
+        """Hand the fragments their gradients (after the ranks agreed on usage: host data,
+        see [Note: how usage is agreed] in usage.py)."""
         assign_grads(self.group, self.grad_shard, used_globally, stats)
 
 
@@ -85,6 +90,7 @@ def reduces_pieces(group: FlatGroup, topo: Topology, stats: CommStats) -> bool:
         shard_group is not None
         and sends_from_pieces(shard_group, stats)
         and sum_scaling(group.reduce_dtype, divisor(topo))[0] == 1.0
+        and wire_dtype(stats.reduce_wire, group.reduce_dtype) is None  # see reduce_on_wire
         and group.padded_numel * group.reduce_dtype.itemsize >= PIECES_MIN_BYTES
     )
 
@@ -107,11 +113,43 @@ def reduce_chunked(
     """Start averaging ``group``'s padded flat gradient (viewed as ``[world, S]``: row ``r``
     is chunk ``r``) over every data-parallel rank: reduce-scatter SUM over the shard group,
     then the replicas, then the division."""
+    wire = wire_dtype(stats.reduce_wire, grad.dtype)
+    if wire is not None:
+        return reduce_on_wire(group, grad, used, topo, stats, timeout, wire)
     pre, post = sum_scaling(grad.dtype, divisor(topo))
     out = torch.empty(group.shard_numel, dtype=grad.dtype, device=grad.device)  # rule 1
-    with on_side_stream(topo.side_stream("reduce")):  # see streams.py
+    with on_side_stream(topo.streams, "reduce"):  # see streams.py
         flat = divided(grad.view(-1), pre)
         work = reduce_scatter_sum(out, flat, topo.shard_group, stats, group.label)
+        _then_replicas_and_divide(work, out, post, topo, stats, group.label, timeout)
+    return PendingReduce(group, out, used, work)
+
+
+def reduce_on_wire(
+    group: FlatGroup, grad: torch.Tensor, used, topo: Topology, stats, timeout, wire: torch.dtype
+) -> PendingReduce:
+    """``reduce_chunked`` with ``fs.Comm(reduce="bf16")``: the fp32 flat gradient travels as
+    ``wire`` (bf16) in an all-to-all over the shard group and each rank sums the ``world``
+    chunks it receives in fp32 (``all_to_all_sum``): half the bytes, every addition in fp32.
+
+    [Note: a narrow wire, a wide sum]
+    A reduce-scatter sums along the way, in the dtype it carries: a bf16 one rounds every
+    partial sum to bf16. Sent whole to its owner instead, a chunk is rounded once, on the way
+    out; under bf16 compute it is bf16 already (the fp32 flat gradient holds bf16 values:
+    lossless), so the result is the fp32 reduce-scatter's up to the order of the sum. Gloo's
+    point-to-point ring (``gloo_p2p``) is bypassed: it sums as it passes chunks on, so in the
+    wire dtype. ``hybrid_shard``'s all-reduce over the replicas then runs on the fp32 shard
+    as before: it carries 1/world of the bytes, and in bf16 it would round partial sums again.
+    The pre-division (fp16 only) never applies: the wire is used for an fp32 reduce_dtype."""
+    post = sum_scaling(grad.dtype, divisor(topo))[1]
+    world = group.padded_numel // group.shard_numel
+    out = torch.empty(group.shard_numel, dtype=grad.dtype, device=grad.device)  # rule 1
+    sent = torch.empty(group.padded_numel, dtype=wire, device=grad.device)  # rule 1
+    received = torch.empty(world, group.shard_numel, dtype=wire, device=grad.device)  # rule 1
+    with on_side_stream(topo.streams, "reduce"):  # see streams.py
+        work = all_to_all_sum(
+            out, grad.view(-1), sent, received.view(-1), topo.shard_group, stats, group.label
+        )
         _then_replicas_and_divide(work, out, post, topo, stats, group.label, timeout)
     return PendingReduce(group, out, used, work)
 
@@ -122,8 +160,8 @@ def _replicated(group: FlatGroup, grad: Grad, used, topo: Topology, stats) -> Pe
     pre, post = sum_scaling(group.reduce_dtype, divisor(topo))
     # On the side stream only with a collective to wait for (the wait orders the compute
     # stream after it; see streams.py)
-    side = topo.side_stream("reduce") if topo.replicate_group is not None else None
-    with on_side_stream(side):
+    streams = topo.streams if topo.replicate_group is not None else NO_STREAMS
+    with on_side_stream(streams, "reduce"):
         grad_shard, work = divided(grad, pre), PendingWork(None, "none")
         if topo.replicate_group is not None:
             work = all_reduce_sum(grad_shard, topo.replicate_group, stats, label)
@@ -189,13 +227,14 @@ def zeros_flat_grad(group: FlatGroup) -> torch.Tensor:
 
 # ---- assignment ----------------------------------------------------------------------------
 def assign_grads(
-    group: FlatGroup, grad_shard: torch.Tensor, used: torch.Tensor, stats: CommStats
+    group: FlatGroup, grad_shard: torch.Tensor, used: list[bool], stats: CommStats
 ) -> None:
-    """Give each used fragment its slice of ``grad_shard``; unused ones keep ``.grad``."""
+    """Give each used fragment its slice of ``grad_shard``; unused ones keep ``.grad``.
+    ``used`` is host data (one flag per parameter): nothing here reads the device."""
     if group.offloaded:  # back to host memory (async; the end of backward waits for it)
         stats.record("offload_d2h", grad_shard)
         grad_shard = copy_to_host(grad_shard, group.storage)
-    for spec, is_used in zip(group.specs, used.tolist(), strict=True):
+    for spec, is_used in zip(group.specs, used, strict=True):
         if not is_used:
             continue
         frag = spec.fragment

@@ -18,20 +18,24 @@ import enum
 import warnings
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
+from flatshard import offload
 from flatshard.coalesce import Coalesce
-from flatshard.comm.collectives import CommStats, all_reduce
+from flatshard.comm.collectives import CommStats
 from flatshard.core.mesh import Topology
 from flatshard.core.reduce import PendingReduce
 from flatshard.core.switches import Switches
 from flatshard.core.unit import ForwardPass, ParamState, Unit
+from flatshard.core.usage import start_agreement
 from flatshard.features.buckets import bucket_order_message
-from flatshard.features.gather_pool import GatheredBytes, GatherPool
-from flatshard.offload import wait_for_host_copies
+from flatshard.features.gather_pool import GatheredBytes, GatherPool, pays_off
 from flatshard.prefetch import Prefetch
+
+if TYPE_CHECKING:  # for the annotation only: parallel/ imports this module
+    from flatshard.parallel.tensor import TPGroups
 
 
 class StateMode(enum.Enum):
@@ -111,11 +115,15 @@ class ShardedState:
         self._reduced: list[PendingReduce] = []
         self.final_callback_queued = False
         self.mode = StateMode.TRAIN
-        self.tp = None  # the model's tensor_parallel.TPGroups, if it has TP parameters
+        self.tp: TPGroups | None = None  # if the model has tensor-parallel parameters
+        # What fs.shard and helpers registered on the modules; fs.unshard removes them.
+        self.handles: list = []
         self.gathered_bytes = GatheredBytes()
         for g in (g for u in units for g in u.groups if not g.replicated):
             g.account = self.gathered_bytes
-        self.pool = self._gather_pool() if switches.gather_pool else None
+        # Host gathers over Gloo only: see [Note: the pool only where it pays].
+        pooled = switches.gather_pool and pays_off(topology)
+        self.pool = self._gather_pool() if pooled else None
 
     def _gather_pool(self) -> GatherPool | None:
         """Reused gather buffers for the units that reshard after forward (enough for the
@@ -238,29 +246,24 @@ class ShardedState:
             if unit.grad.pending_nodes > 0 or unit.has_unreduced_grads():
                 unit.grad.pending_nodes = 0
                 self.launch_reduce(unit)
+        # Every reduction of this backward, in order: the waited ones, then those in flight.
+        pending = [*self._reduced, *(r for group in self._inflight for r in group)]
+        agreement = start_agreement([r.used for r in pending], self.topology, self.stats)
         while self._inflight:
             self._finish_oldest_reduce()
         reduced, self._reduced = self._reduced, []
+        assert [id(r) for r in reduced] == [id(r) for r in pending]
         if reduced:
-            used = self._agree_on_usage([r.used for r in reduced])
+            used = agreement.used(self.timeout)  # see [Note: how usage is agreed]
             for r, used_globally in zip(reduced, used, strict=True):
                 r.assign(used_globally, self.stats)
             if self.offloaded:  # the optimizer reads the gradients' host copies next
-                wait_for_host_copies(self.device)
+                offload.wait_for_host_copies(self.device)
         self.reshard_all()
         if self.forward_order.frozen is None:
             self.forward_order.freeze()
             self._check_bucket_order()
         self.backward_order.freeze()
-
-    def _agree_on_usage(self, masks: list[torch.Tensor]) -> list[torch.Tensor]:
-        """A parameter used on any rank gets a gradient on every rank (one small all-reduce).
-        The flags are host data and stay on the host (``Topology.host_groups``: Gloo): on GPUs
-        a device all-reduce read back with ``.cpu()`` drained the device every step."""
-        flags = torch.cat(masks).to(dtype=torch.int32)
-        for group in self.topology.host_groups:  # shard then replicate: every rank
-            all_reduce(flags, group, self.stats, op=dist.ReduceOp.MAX, name="usage_all_reduce")
-        return list(flags.split([len(m) for m in masks]))
 
 
 STATE_ATTR = "_flatshard_state"  # where fs.shard keeps a model's ShardedState

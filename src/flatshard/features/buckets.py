@@ -15,10 +15,12 @@ reduced apart.
   pre/post-forward hooks. The first member call of a pass gathers, prefetches and installs
   every member's views; the first call *with grad* that finds no counted ``UnitViews`` node
   for the pass makes one (a member under a reentrant checkpoint runs under ``no_grad``: the
-  next member still gets autograd-connected views). The pass ends, and the unit is released,
-  once every member ran and no member call is in progress (members may nest: a unit and its
-  child unit can share a bucket); a member that does not run leaves the unit gathered until
-  its post-backward. A member call that runs again before the pass ended starts a new pass.
+  next member still gets autograd-connected views). The pass ends once every member ran and
+  no member call is in progress (members may nest: a unit and its child unit can share a
+  bucket; ``members.end_call``), and the unit is then released by the post-forward every unit
+  shares, under the same rule as a plain unit (see [Note: one post-forward] in ``hooks.py``);
+  a member that does not run leaves the unit gathered until its post-backward. A member call
+  that runs again before the pass ended starts a new pass.
 * **Backward.** The node's outputs are every member's views, so it runs once, after the
   backward of the first member (in forward order) that used them: that is the reduction
   point. A member call whose output does not lead to the node (a reentrant checkpoint inside
@@ -26,7 +28,7 @@ reduced apart.
   only if some member's output leads to it. A member whose forward ran under ``no_grad`` (a
   reentrant checkpoint around it) is recomputed later in backward with its own counted node:
   until it has been, the unit's reduction waits (``Unit.nograd_members``, see
-  ``hooks.defer_to_reentrant``).
+  ``members.defer_to_reentrant``).
 * **Memory.** The full buffer is private (never the gather pool's): its storage is resized to
   zero on release and back for the next gather, so autograd's saved views of it stay valid
   without saved-tensor hooks, and the full-shape views of its many small parameters are

@@ -32,7 +32,7 @@ What each way of compiling then gives (torch 2.13, checked in tests/test_compile
 Without the wrapper Dynamo traces into the hooks, and fails (``fullgraph=True``) or breaks
 the graph at every unsupported call inside them (dozens per step, and recompiles on every
 unit object it guards). ``torch.compiler.disable(fn, recursive=True)`` and Dynamo's skipping
-of a compiled ``_call_impl`` frame are older than torch 2.6, flatshard's minimum (only 2.13 is
+of a compiled ``_call_impl`` frame are older than torch 2.13, flatshard's minimum (the version
 tested). A Dynamo that traced ``_call_impl`` itself would stop at a hook with its own error
 under ``fullgraph=True`` ("Skip calling `torch.compiler.disable()`d function") and break the
 graph there, once per hook, without it: the hooks are never traced either way.

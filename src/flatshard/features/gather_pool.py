@@ -16,13 +16,35 @@ so while a pooled unit runs its forward, saved-tensor hooks (``saved_views.py``)
 saved view of its buffer by (unit, offset, shape, strides) and rebuild it from the unit's
 *current* buffer when backward unpacks it. When those hooks cannot be installed (the user has
 saved-tensor hooks of their own around the forward) the unit moves to its private buffer first.
+
+[Note: the pool only where it pays]
+The pool works around the host allocator (glibc's fresh pages for large blocks), so it is
+made only for host gathers over Gloo (``pays_off``). On a device the caching allocator
+already reuses freed blocks, and any other process group (NCCL, or the ``strict_async`` test
+backend that holds CPU runs to NCCL's rules) takes the plain path: private buffers, their
+full-shape views built once per buffer instead of once per borrowed one, and no saved-tensor
+hook on every tensor a unit's forward saves (``bench/bench_host_overhead.py`` measures what
+that is per unit).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from flatshard.core.mesh import Topology
 
 Kind = tuple[torch.dtype, torch.device]
+
+
+def pays_off(topology: Topology) -> bool:
+    """Make a pool for this topology? Host gathers over Gloo only (see [Note: the pool only
+    where it pays]); a shard group of one rank gathers nothing over any backend."""
+    group = topology.shard_group
+    return topology.device.type == "cpu" and (group is None or dist.get_backend(group) == "gloo")
 
 
 class GatheredBytes:

@@ -22,7 +22,10 @@ again only when something actually reads it:
 
 A root under ``root_split.LAZY_MIN_BYTES`` (1 MiB) stays gathered from forward into backward
 instead: the hooks cost a Python call per saved tensor of the whole forward, more than such a
-root's bytes are worth. When the saved-tensor hooks cannot be installed (someone else's
+root's bytes are worth. They are not free above it either: 4-5 us of host time per saved
+tensor (pack and unpack), 31-44 us per block of eight saved tensors, measured on the 2-core
+box under load; see docs/performance.md ("Host overhead per unit") for what that is next to
+the rest of a unit's machinery. When the saved-tensor hooks cannot be installed (someone else's
 hooks are active around the root's forward, or it runs without grad), that step falls back
 to regathering the root at its pre-backward, as any unit.
 """

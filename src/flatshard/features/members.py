@@ -1,10 +1,11 @@
 """Forward hooks of a merged unit's member modules (a bucket of coalesced units).
 
 See [Note: coalesced units] in ``buckets.py``: a merged unit is one ``Unit`` whose pre- and
-post-forward hooks sit on every member module; ``hooks.py`` hands member calls of a forward
-here (calls during backward take the plain unit path), with the pieces of its own flow that
-they share (``HookOps``: this module sits below ``hooks.py``), and asks
-``defer_to_reentrant`` before it reduces a merged unit.
+post-forward hooks sit on every member module. ``hooks.py`` opens member calls of a forward
+here (``pre_forward``, with the pieces of its own flow they share: ``HookOps``, as this module
+sits below ``hooks.py``); its one post-forward (see [Note: one post-forward] in ``hooks.py``)
+asks ``end_call`` whether the bucket's forward pass is over; and ``defer_to_reentrant`` is
+asked before a merged unit reduces.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from flatshard.core.state import ShardedState
 from flatshard.core.unit import ForwardPass, Unit
-from flatshard.features import recompute, saved_views
+from flatshard.features import recompute
 from flatshard.features.recompute import Call, CallKind
 
 
@@ -27,8 +29,6 @@ class HookOps:
 
     make_views: Callable[[ShardedState, Unit], tuple[list, Any]]
     enter_saved_views: Callable[[ShardedState, Unit], None]
-    hook_output_grads: Callable[[ShardedState, Unit, Any], None]
-    post_backward_on_inputs: Callable[[ShardedState, Unit, Any], None]
 
 
 def pre_forward(state: ShardedState, unit: Unit, member: int, ops: HookOps) -> None:
@@ -57,34 +57,19 @@ def pre_forward(state: ShardedState, unit: Unit, member: int, ops: HookOps) -> N
     unit.calls.append(Call(CallKind.FORWARD, fp.node))
 
 
-def post_forward(
-    state: ShardedState, unit: Unit, module, inputs, output, call: Call, ops: HookOps
-) -> None:
-    """After a member's forward call: release the unit once every member ran in this pass
-    and no member call is in progress."""
-    saved_views.leave(unit)
-    unit.forward_depth = max(0, unit.forward_depth - 1)
+def end_call(unit: Unit, module: nn.Module) -> bool:
+    """A member's forward call is over: is the bucket's forward pass over too (every member
+    ran, no member call in progress)? Then the pass's node keeps its count only if some
+    member's output reached it (see ``hooks._settle_node``), and the next call starts a new
+    pass."""
     fp = unit.forward_pass
     fp.ran.add(unit.member_position(module))
-    if torch.is_grad_enabled() and unit.grad.pending_nodes > 0:
-        ops.hook_output_grads(state, unit, output)
-    if call.node is not None:
-        if recompute.output_reaches(unit, output, call.node):
-            fp.reached = True
-        else:  # this call's gradients complete with its inputs' (see _post_forward)
-            unit.grad.pending_nodes += 1
-            ops.post_backward_on_inputs(state, unit, inputs)
     if unit.forward_depth > 0 or len(fp.ran) < len(unit.members):
-        return
+        return False
     if fp.node is not None and not fp.reached:  # no member's output leads to it: never runs
         unit.grad.pending_nodes = max(0, unit.grad.pending_nodes - 1)
     unit.forward_pass = ForwardPass()
-    unit.install_fragments()
-    last = state.forward_order.is_last(unit)  # the last bucket is kept whole into backward
-    if unit.reshard_after_forward and not (last and torch.is_grad_enabled()):
-        unit.reshard(state.timeout)
-    if last and state.pool is not None:
-        state.pool.trim()
+    return True
 
 
 def defer_to_reentrant(unit: Unit) -> bool:

@@ -28,7 +28,11 @@ class Attention(nn.Module):
     :func:`flatshard.packing.varlen_attention`, causal within each document. ``n_heads`` and
     ``n_kv_heads`` are the model's counts; a tensor-parallel rank holds a share of them
     (:mod:`flatshard.models.tensor_parallel`), so shapes are read from the tensors instead.
+    Under context parallelism (:mod:`flatshard.models.context_parallel`, set by its ``attach``)
+    ``x`` holds this rank's share of each row and attention spans the cp group.
     """
+
+    context_parallel = None  # a ContextParallel once attached; used while it is active
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -60,7 +64,10 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, -1, D)  # [B, T, KV, D]
         v = self.v_proj(x).view(B, T, -1, D)  # [B, T, KV, D]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # [B, T, H|KV, D]
-        if cu_seqlens is None:
+        cp = self.context_parallel
+        if cp is not None and cp.active:  # T is this cp rank's share of the row
+            y = cp.attend(q, k, v)  # [B, T, H, D]
+        elif cu_seqlens is None:
             y = F.scaled_dot_product_attention(
                 q.transpose(1, 2),  # [B, H, T, D]
                 k.transpose(1, 2),  # [B, KV, T, D]

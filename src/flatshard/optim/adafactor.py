@@ -13,11 +13,20 @@ kept for every parameter: the extra memory is one fragment at a time.
 With tensor parallelism the sums are the global matrix's: each rank's are placed at its
 TP-local block's global rows and columns (``tp_stats.py``) and the all-reduces run over dp,
 then over the tp peers; the factors are the global ones, the same on every rank.
+
+[Note: no host reads in the step]
+torch's Adafactor reads two numbers per parameter on the host (``param.norm().item()`` for
+the step size, ``update.norm().item()`` for the clipping): each one waits for the device. Here
+both stay 0-dim tensors on the gradients' device (the step size ``max(eps2, RMS) * rho`` and
+the clip ``max(1, RMS(update) / d)`` in float64, as torch's Python floats), so a step on a
+device backend never waits for the device; only the step count (a host tensor, as torch
+keeps it) is read. Under CPU offload the state lives on the host, so the two reduced vectors
+come back to it (``offload_sums_on_host``: the host waits there, as for the offloaded
+gradients themselves).
 """
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +34,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import ParamsT
 
+from flatshard.offload import to_compute
 from flatshard.optim.exchange import all_reduce_sum
 from flatshard.optim.factored import Rows, factored_variance, partial_sums, update_factors
 from flatshard.optim.tp_stats import block_factors, to_global
@@ -70,21 +80,23 @@ class Adafactor(WholeParamOptimizer):
         items = [self._item(p, g) for p, g in self._with_grads()]
         if not items:
             return loss
-        device = items[0].whole.device
+        device, host = items[0].whole.device, items[0].grad.device
         # The collectives run on the compute device (NCCL reduces device tensors only, and
         # under CPUOffload the gradients live on the host); the state stays where it lives.
-        sums = torch.cat([item.local_sums() for item in items]).to(device)
+        # Nothing is read on the host: the step sizes and clipping factors stay tensors
+        # (see [Note: no host reads in the step]).
+        sums = to_compute(torch.cat([item.local_sums() for item in items]), device)
         self._reduce(sums, items[0].whole)
-        sums = sums.to(items[0].grad.device)
-        scalars = sums.tolist() if sums.device.type == "cpu" else sums.cpu().tolist()  # 1 sync
+        sums = offload_sums_on_host(sums, host)
         offset, norms = 0, []
         for item in items:
-            offset = item.advance(sums, scalars, offset)
+            offset = item.advance(sums, offset)
             norms.append(item.update_square_sum())
-        norms_t = torch.stack(norms).to(device)
+        norms_t = to_compute(torch.stack(norms), device)
         self._reduce(norms_t, items[0].whole)
-        for item, norm_sq in zip(items, norms_t.tolist(), strict=True):
-            item.apply(norm_sq)
+        norms_t = offload_sums_on_host(norms_t, host)
+        for i, item in enumerate(items):
+            item.apply(norms_t[i])
         return loss
 
     def _reduce(self, sums: torch.Tensor, whole: WholeParam) -> None:
@@ -121,7 +133,7 @@ class _Item:
     grad: torch.Tensor  # flat fragment, sign already flipped for ``maximize``
     state: dict
     hyper: dict[str, Any]
-    alpha: float = 0.0
+    alpha: torch.Tensor | None = None  # the step size (a 0-dim tensor where grad lives)
     eps1: float = 0.0
 
     @property
@@ -144,18 +156,18 @@ class _Item:
             sums = to_global(block, self.whole, rows.batches * rows.m)
         return sums if self.whole.counts_once else torch.zeros_like(sums)
 
-    def advance(self, sums: torch.Tensor, scalars: list[float], offset: int) -> int:
+    def advance(self, sums: torch.Tensor, offset: int) -> int:
         """The step count, the step size and the second moment, from the reduced sums at
-        ``offset`` (``scalars``: the same on the host, read once for every parameter);
-        returns the offset of the next parameter's sums."""
+        ``offset``; returns the offset of the next parameter's sums."""
         h, step_t = self.hyper, self.state["step"]
         step_t += 1
-        step = step_t.item()
+        step = step_t.item()  # a host tensor, as torch keeps it: no sync
         weight = step ** h["beta2_decay"]  # 1 - beta2_t
         lr = float(h["lr"])
         rho = min(lr, 1 / step**0.5)
-        rms = math.sqrt(max(scalars[offset], 0.0)) / self.whole.global_numel**0.5
-        self.alpha = max(h["eps"][1], rms) * rho
+        # max(eps2, RMS(param)) * rho, as torch's in float64 (its Python floats), on the device
+        rms = sums[offset].double().clamp(min=0.0).sqrt() / self.whole.global_numel**0.5
+        self.alpha = rms.clamp(min=h["eps"][1]) * rho
         eps1 = h["eps"][0]
         self.eps1 = torch.finfo(self.whole.param.dtype).eps if eps1 is None else eps1
         if not self.factored:
@@ -182,13 +194,22 @@ class _Item:
             return self.grad.new_zeros(())
         return _wide(self.update()).square().sum().to(self.grad.dtype)
 
-    def apply(self, update_sq: float) -> None:
-        """Decoupled weight decay, then the update clipped to RMS ``d``."""
+    def apply(self, update_sq: torch.Tensor) -> None:
+        """Decoupled weight decay, then the update clipped to RMS ``d`` (``update_sq``: the
+        reduced sum of its squares, a 0-dim tensor: never read on the host)."""
         p, h = self.whole.param, self.hyper
         if h["weight_decay"] != 0:
             p.mul_(1 - float(h["lr"]) * h["weight_decay"])
-        rms = math.sqrt(max(update_sq, 0.0)) / (self.whole.global_numel**0.5 * h["d"])
-        p.add_(self.update().view(p.shape), alpha=-self.alpha / max(1.0, rms))
+        rms = update_sq.double().clamp(min=0.0).sqrt() / (self.whole.global_numel**0.5 * h["d"])
+        step = -self.alpha / rms.clamp(min=1.0)
+        p.add_(self.update().view(p.shape).mul_(step.to(p.dtype)))
+
+
+def offload_sums_on_host(tensor: torch.Tensor, host: torch.device) -> torch.Tensor:
+    """Reduced statistics where the gradients live. Under CPU offload that is the host, which
+    steps the state there: the optimizer's one wait for the device, as any host use of a
+    device result (counted apart by the tests' ``HostSyncs``); otherwise ``tensor`` itself."""
+    return tensor if tensor.device == host else tensor.to(host)
 
 
 def _wide(tensor: torch.Tensor) -> torch.Tensor:

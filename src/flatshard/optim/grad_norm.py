@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from flatshard.comm.collectives import all_reduce
 from flatshard.core.params import fragment_tag, state_of_parameters
 from flatshard.core.state import get_state
+from flatshard.offload import to_compute
 from flatshard.parallel.pipeline_tied import is_tied_duplicate
 
 
@@ -71,15 +72,41 @@ def clip_grad_norm_(
     grads = [p.grad for params, _ in parts for p in params if _has_grad(p)]
     totals = [_model_powers(params, state, norm_type, foreach) for params, state in parts]
     total = _combine(totals, parts, norm_type, across)
-    if error_if_nonfinite and not torch.isfinite(total):
+    if error_if_nonfinite:
+        check_finite(total, norm_type)
+    clip_coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
+    if grads:
+        torch._foreach_mul_(grads, _coefficient_for(grads[0], clip_coef))
+    return total
+
+
+# [Note: host waits of clipping]
+# On a device backend fs.clip_grad_norm_ never waits for the device: the norm is summed and
+# all-reduced on the compute device and scales the gradients there (a tensor, never read).
+# Two cases read it, as torch's clip_grad_norm_ does: ``error_if_nonfinite=True`` (the host
+# must know whether to raise: ``check_finite``), and CPU offload, whose gradients live on the
+# host and are scaled by the host (``norm_on_host``: the one copy back, after the norm's
+# all-reduce). The tests count both apart (``flatshard.testing.host_sync.SEPARATE``).
+def check_finite(total: torch.Tensor, norm_type: float) -> None:
+    """``error_if_nonfinite=True``: raise if the norm is inf/NaN (a host read of it)."""
+    if not torch.isfinite(total):
         raise RuntimeError(
             f"fs.clip_grad_norm_: the total norm of order {norm_type} is {total.item()}; "
             "set error_if_nonfinite=False to clip anyway (gradients become NaN)"
         )
-    clip_coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
-    if grads:
-        torch._foreach_mul_(grads, clip_coef.to(grads[0].device, grads[0].dtype))
-    return total
+
+
+def _coefficient_for(grad: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+    """The clip coefficient where ``grad`` lives, in its dtype."""
+    if grad.device == coef.device:
+        return coef.to(grad.dtype)
+    return norm_on_host(coef, grad.device, grad.dtype)
+
+
+def norm_on_host(coef: torch.Tensor, host: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """CPU offload: the coefficient copied to the host that scales the gradients (a wait for
+    the device, as any host use of a device result)."""
+    return coef.to(host, dtype)
 
 
 def _has_grad(p: torch.Tensor) -> bool:
@@ -103,7 +130,7 @@ def _model_powers(params: list, state, norm_type: float, foreach) -> torch.Tenso
     op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
     # On the compute device whatever the gradients' (CPUOffload keeps them on the host, and
     # NCCL reduces device tensors only): every rank hands the collective the same kind.
-    local = local.to(device)
+    local = to_compute(local, device)
     all_reduce(local, state.group, state.stats, op=op, name="norm_all_reduce")
     if state.tp is not None:
         sharded = local[:1].clone()

@@ -85,6 +85,12 @@ class GradScaler:
             a model that is one stage of a pipeline never waits on the other stages; the
             default group for an optimizer of plain parameters; no collective when
             ``torch.distributed`` is not initialised.
+
+    ``FLATSHARD_DEBUG`` (the cross-rank check before its collective) is the switch of the
+    first sharded model whose fragments the optimizer steps, as that model's ``fs.shard``
+    read it, taken at the scaler's first ``unscale_``/``step`` that meets one (so the scaler
+    may be built before ``fs.shard``). Until then (an optimizer of plain parameters) it is
+    read from the environment at that first step.
     """
 
     def __init__(
@@ -114,9 +120,9 @@ class GradScaler:
         self._records: dict[int, _Record] = {}
         self.last_step_skipped = False
         """Whether the step closed by the last ``update()`` was skipped (on every rank)."""
-        debug = Switches.from_environ().debug  # read once, as fs.shard does
-        self.stats = CommStats(checker=OpChecker() if debug else None)
+        self.stats = CommStats()
         """Collectives issued by this scaler (one found-inf all-reduce per optimizer step)."""
+        self._switches_from: str | None = None  # "model" or "environment", once taken
 
     # ---- the torch.amp API -------------------------------------------------------------------
 
@@ -154,6 +160,7 @@ class GradScaler:
         if record.stage is _Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step(); call update() first")
         record.found_inf = self._unscale_grads(optimizer)
+        self._take_switches(optimizer)
         record.groups = self._groups(optimizer)
         record.stage = _Stage.UNSCALED
 
@@ -257,6 +264,20 @@ class GradScaler:
             record.synced = bool(flag.item() > 0)
         return record.synced
 
+    def _take_switches(self, optimizer: torch.optim.Optimizer) -> None:
+        """``FLATSHARD_DEBUG`` from the first sharded model met, as its ``fs.shard`` read it;
+        the environment's while no sharded model was met (see the class docstring)."""
+        if self._switches_from == "model":
+            return
+        states = _sharded_states(optimizer)
+        if states:
+            switches, self._switches_from = states[0].switches, "model"
+        elif self._switches_from is None:
+            switches, self._switches_from = Switches.from_environ(), "environment"
+        else:
+            return
+        self.stats.checker = OpChecker() if switches.debug else None
+
     def _groups(self, optimizer: torch.optim.Optimizer) -> list[dist.ProcessGroup]:
         """The groups to reduce over, resolved late (the scaler may exist before init)."""
         if self._group_arg is None:
@@ -312,17 +333,26 @@ def _validate(
             raise ValueError(f"{name}={value!r} must be an int >= 1")
 
 
-def _mesh_groups(optimizer: torch.optim.Optimizer) -> list[dist.ProcessGroup]:
-    """The mesh groups of the sharded models whose fragments ``optimizer`` steps."""
+def _sharded_states(optimizer: torch.optim.Optimizer) -> list:
+    """The states of the sharded models whose fragments ``optimizer`` steps, each once."""
     from flatshard.core.params import fragment_tag
 
-    groups: list[dist.ProcessGroup] = []
+    states: list = []
     for param_group in optimizer.param_groups:
         for p in param_group["params"]:
             tag = fragment_tag(p)
             state = tag.state() if tag is not None else None
-            if state is not None and all(g is not state.topology.mesh_group for g in groups):
-                groups.append(state.topology.mesh_group)
+            if state is not None and all(s is not state for s in states):
+                states.append(state)
+    return states
+
+
+def _mesh_groups(optimizer: torch.optim.Optimizer) -> list[dist.ProcessGroup]:
+    """The mesh groups of the sharded models whose fragments ``optimizer`` steps."""
+    groups: list[dist.ProcessGroup] = []
+    for state in _sharded_states(optimizer):
+        if all(g is not state.topology.mesh_group for g in groups):
+            groups.append(state.topology.mesh_group)
     return groups
 
 

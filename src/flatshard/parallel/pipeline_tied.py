@@ -231,8 +231,11 @@ def _facts(mine: list[list[TiedCopy]]) -> list[list[tuple]]:
 
 def _digest(whole: torch.Tensor) -> str:
     """A hash of a tensor's bytes: equal copies, equal digests."""
-    data = whole.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-    return hashlib.sha256(data.tobytes()).hexdigest()
+    data = whole.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    raw = bytearray(data.numel())  # copied out by torch alone: numpy is no dependency
+    if raw:
+        torch.frombuffer(raw, dtype=torch.uint8).copy_(data)
+    return hashlib.sha256(raw).hexdigest()
 
 
 def _agree(specs: list[dict[int, str]], everyone: list, my_rank: int) -> None:

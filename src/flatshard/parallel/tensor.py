@@ -231,7 +231,8 @@ def tp_groups(model: nn.Module, topology: Topology) -> TPGroups | None:
     ranks = tuple(sorted({r for ranks in every for r in ranks}))
     from flatshard.core.mesh import members_group
 
-    return TPGroups(tp_mesh, group, members_group(ranks, str(dist.get_backend(group))))
+    backend = str(dist.get_backend(group))
+    return TPGroups(tp_mesh, group, members_group(ranks, backend, topology.made))
 
 
 def full_tensor(view: torch.Tensor, spec: TPSpec | None) -> torch.Tensor:

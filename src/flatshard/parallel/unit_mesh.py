@@ -43,7 +43,7 @@ from flatshard.core.reduce import data_parallel_world
 
 def unit_topology(mesh, model_topology: Topology, options: ShardOptions, where: str) -> Topology:
     """The topology of a unit the policy gave ``mesh`` (``where`` names the module)."""
-    topology = resolve_topology(options.strategy, mesh)
+    topology = resolve_topology(options.strategy, mesh, model_topology.made)
     ranks = set(dist.get_process_group_ranks(topology.mesh_group))
     model_ranks = set(dist.get_process_group_ranks(model_topology.mesh_group))
     world = data_parallel_world(model_topology)

@@ -52,6 +52,7 @@ from torch._C._distributed_c10d import (
     ScatterOptions,
 )
 
+from flatshard.testing import stream_access, virtual_streams
 from flatshard.testing._buffers import Watched, overlaps, poison
 
 BACKEND = "strict_async"
@@ -176,6 +177,7 @@ def _guarded_resize(self, size):
             f"{entry[1]}: a buffer in flight was resized to {size} bytes at {_call_site()} "
             "before the collective's wait()"
         )
+    stream_access.resized(self, size)  # under virtual streams: a free, then an allocation
     return _ORIGINAL_RESIZE(self, size)
 
 
@@ -190,6 +192,7 @@ class StrictWork(dist.Work):
         self._inner, self._copies, self._watched = inner, copies, watched
         self._timeout = timeout  # the group's: bounds an untimed wait on Gloo's side
         self._done = False
+        self.stream = None  # under virtual streams: the collective's own (stream_access)
         self._lock = threading.Lock()
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
@@ -199,7 +202,10 @@ class StrictWork(dist.Work):
                 _REG.timed_waits[f"{self.op} at {_call_site()}"] += 1
         # Our own tensor ops are not the caller's: no torch-function mode sees them (the
         # virtual device would count the snapshots' comparisons as the caller's).
-        with self._lock, torch._C.DisableTorchFunction():
+        with self._lock, torch._C.DisableTorchFunction(), virtual_streams.paused():
+            # ProcessGroupNCCL's rule: the current stream waits for the collective's end,
+            # then the work drops the tensors it held (a free here is checked against that).
+            stream_access.joined(self.stream)
             if self._done:
                 return True
             if self._inner is not None:
@@ -238,6 +244,11 @@ class StrictAsyncGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:  # c10d's name
         return BACKEND
 
+    def flatshard_streams(self):
+        """The stream API ``fs.shard`` uses for a model on this group (``core/streams.py``):
+        virtual streams while a ``virtual_streams.session()`` is open, else None."""
+        return virtual_streams.API if virtual_streams.active() else None
+
     # c10d keeps a group's name in its backends, and this group registers none (a C++ caller
     # that would bypass the checks fails instead), so the name lives here.
     def _set_group_name(self, name: str) -> None:
@@ -250,7 +261,7 @@ class StrictAsyncGroup(dist.ProcessGroup):
     def _issue(self, op: str, inputs: list, outputs: list, run: Callable) -> StrictWork:
         """Run ``run(scratch_of)`` (Gloo, on scratch copies) with the caller's ``outputs``
         poisoned until ``wait()`` and everything watched. A tensor in both lists is in place."""
-        with torch._C.DisableTorchFunction():  # as in wait()
+        with torch._C.DisableTorchFunction(), virtual_streams.paused():  # as in wait()
             return self._issue_plain(_call_site(), op, inputs, outputs, run)
 
     def _issue_plain(self, site, op, inputs, outputs, run) -> StrictWork:
@@ -271,6 +282,7 @@ class StrictAsyncGroup(dist.ProcessGroup):
         inner = run(lambda t: scratch[id(t)])
         copies = [(t, scratch[id(t)]) for t in outputs]
         work = StrictWork(op, inner, copies, watched, site, self._timeout)
+        work.stream = stream_access.collective(op, inputs, outputs, site)
         with _LOCK:
             _REG.calls[op] += 1
             _REG.in_flight[id(work)] = work

@@ -48,20 +48,28 @@ class Env:
     pp: int = 1
     """Pipeline-parallel degree: ``pp`` groups of ``world / pp`` consecutive ranks, one per
     pipeline rank (see [Note: the trainer's (pp, dp) layout] in tools/train/pipeline.py)."""
+    cp: int = 1
+    """Context-parallel degree: groups of ``cp`` consecutive ranks split every row (see
+    [Note: the trainer's (dp, cp) layout] in tools/train/cp_plan.py)."""
 
     @property
     def dp_rank(self) -> int:
-        """This rank's data-parallel rank (the tp ranks of a group, and the pp ranks of a dp
-        column, share it and its data)."""
-        return (self.rank // self.tp) % self.dp_world
+        """This rank's data-parallel rank (the tp or cp ranks of a group, and the pp ranks of a
+        dp column, share it and its data)."""
+        return (self.rank // (self.tp * self.cp)) % self.dp_world
 
     @property
     def dp_world(self) -> int:
         """Number of data-parallel ranks (distinct batches per step)."""
-        return self.world // (self.tp * self.pp)
+        return self.world // (self.tp * self.pp * self.cp)
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's place in its cp group (which head-tail share of each row it holds)."""
+        return self.rank % self.cp
 
 
-def init_distributed(backend: str, timeout_s: float, tp: int = 1, pp: int = 1) -> Env:
+def init_distributed(backend: str, timeout_s: float, tp: int = 1, pp: int = 1, cp: int = 1) -> Env:
     """Join the job's process group from torchrun's environment variables.
 
     ``backend`` is ``"nccl"`` (one GPU per worker, by ``LOCAL_RANK``) or ``"gloo"`` (CPU).
@@ -78,7 +86,7 @@ def init_distributed(backend: str, timeout_s: float, tp: int = 1, pp: int = 1) -
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     world = dist.get_world_size()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return Env(dist.get_rank(), world, local_world, device, tp, pp)
+    return Env(dist.get_rank(), world, local_world, device, tp, pp, cp)
 
 
 def build_model(cfg: TrainConfig, env: Env, vocab_needed: int = 258) -> GPT:
@@ -118,6 +126,10 @@ def build_model(cfg: TrainConfig, env: Env, vocab_needed: int = 258) -> GPT:
             model = GPT(gpt_config(cfg))
     if tp_mesh is not None:
         tensor_parallel.parallelize(model, tp_mesh, cfg)
+    if env.cp > 1:  # see [Note: the trainer's (dp, cp) layout]; fs.shard over all ranks
+        from flatshard.tools.train.cp_plan import parallelize
+
+        parallelize(model, env.device.type, env.world, env.cp)
     return fs.shard(
         model,
         policy=fs.wrap.by_type(Block),

@@ -188,6 +188,12 @@ class ParallelConfig:
     """Expert-parallel degree (with model.experts > 0): each group of ep consecutive ranks
     splits every layer's experts (all-to-all dispatch); each expert is sharded over the
     world/ep ranks holding it. Must divide the world size and model.experts."""
+    cp: int = 1
+    """Context-parallel degree (--parallelism.cp N): each group of N consecutive ranks reads
+    the same rows and splits every row's tokens over its ranks, head-tail balanced (chunks r
+    and 2N-1-r of 2N); attention all-gathers keys and values over the group, masked by global
+    positions and documents. fs.shard shards over all ranks (dp x cp). The GPT only, without
+    tp, pp or ep; data.seq_len must divide by 2N (docs/parallelism.md)."""
 
     def __post_init__(self) -> None:
         _int("parallel.nproc", self.nproc, 0)
@@ -201,6 +207,7 @@ class ParallelConfig:
         _int("parallel.microbatches", self.microbatches, 0)
         _int("parallel.stages_per_rank", self.stages_per_rank, 0)
         _int("parallel.ep", self.ep, 1)
+        _int("parallel.cp", self.cp, 1)
         if not isinstance(self.loss_parallel, bool):
             raise TypeError(f"parallel.loss_parallel={self.loss_parallel!r} must be true or false")
 

@@ -6,8 +6,12 @@
   each string to its field's type. A section may be named by an alias (``SECTION_ALIASES``:
   ``parallelism`` for ``parallel``), in a file as on the command line.
 * :func:`to_toml` writes the config back, every field with its docstring as a comment, so that
-  ``--config OUT/config.toml`` reproduces a run and documents it. (No TOML writer ships with
-  Python; flat tables of scalars need only a few lines.)
+  ``--config OUT/config.toml`` reproduces a run and documents it. Each ``key = value`` line is
+  ``tomli_w``'s (quoting, escapes, inf/nan); the comments around them are ours, as no TOML writer
+  writes comments.
+
+Parsing (``tomllib``, ``tomli`` on Python 3.10) and writing (``tomli-w``) come with the
+``[train]`` extra; the library (``import flatshard``) needs neither.
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ import dataclasses
 import functools
 import inspect
 import itertools
-import json
 import typing
 from pathlib import Path
 from typing import Any
@@ -25,9 +28,16 @@ from typing import Any
 from flatshard.tools.train.config import SECTION_ALIASES, SECTIONS, TrainConfig
 
 try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI
-    import tomli as tomllib  # type: ignore[no-redef]
+    import tomli_w
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI
+        import tomli as tomllib  # type: ignore[no-redef]
+except ModuleNotFoundError as err:
+    raise ModuleNotFoundError(
+        f"flatshard train needs {err.name}, from the [train] extra: pip install 'flatshard[train]'"
+    ) from err
 
 __all__ = ["apply_overrides", "field_docs", "from_dict", "load_toml", "to_dict", "to_toml"]
 
@@ -153,13 +163,9 @@ def to_dict(cfg: TrainConfig) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)  # 3e-08, inf and nan are valid TOML floats
-    # JSON string escapes are valid TOML basic-string escapes; TOML also forbids a raw DEL.
-    return json.dumps(value).replace("\x7f", "\\u007f")
+def _toml_line(key: str, value: Any) -> str:
+    """``key = value`` as ``tomli_w`` writes it."""
+    return tomli_w.dumps({key: value}).rstrip("\n")
 
 
 def _comment(doc: str) -> list[str]:
@@ -172,10 +178,10 @@ def to_toml(cfg: TrainConfig, header: str = "") -> str:
     docs = field_docs(TrainConfig)
     for name, value in to_dict(cfg).items():
         if name not in SECTIONS:
-            lines += [*_comment(docs.get(name, "")), f"{name} = {_toml_value(value)}"]
+            lines += [*_comment(docs.get(name, "")), _toml_line(name, value)]
     for name, cls in SECTIONS.items():
         lines += ["", f"[{name}]", *_comment(cls.__doc__ or "")]
         section_docs = field_docs(cls)
         for key, value in to_dict(cfg)[name].items():
-            lines += [*_comment(section_docs.get(key, "")), f"{key} = {_toml_value(value)}"]
+            lines += [*_comment(section_docs.get(key, "")), _toml_line(key, value)]
     return "\n".join(lines) + "\n"

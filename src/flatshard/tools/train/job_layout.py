@@ -8,8 +8,9 @@ __all__ = ["check_layout"]
 
 
 def check_layout(cfg: TrainConfig, world: int) -> None:
-    """Refuse tp, pp or ep settings this job of ``world`` ranks cannot run (``ValueError``
+    """Refuse tp, pp, ep or cp settings this job of ``world`` ranks cannot run (``ValueError``
     naming the value and the fix)."""
+    from flatshard.tools.train.cp_plan import check_cp
     from flatshard.tools.train.moe import check_ep
     from flatshard.tools.train.pipeline import check_pp
     from flatshard.tools.train.tp_plan import check_tp
@@ -17,3 +18,4 @@ def check_layout(cfg: TrainConfig, world: int) -> None:
     check_tp(cfg, world)
     check_pp(cfg, world)
     check_ep(cfg, world)
+    check_cp(cfg, world)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import flatshard as fs
 from flatshard.comm.shutdown import end_process_group
+from flatshard.models.context_parallel import context_parallel_of
 from flatshard.tools.train import hf_model, pipeline
 from flatshard.tools.train.build import Env, build_training, flops_per_token, init_distributed
 from flatshard.tools.train.checkpointing import (
@@ -101,6 +102,7 @@ def setup(cfg: TrainConfig, env: Env, resume: bool) -> tuple[Run, str | None]:
         ckpt=ckpt, log=None,
         flops_per_token=flops_per_token(cfg, model, corpus.attention_length),
         peak_flops=peak_flops(env.device),
+        cp=context_parallel_of(model) if env.cp > 1 else None,
     )  # fmt: skip
     return run, start
 
@@ -194,6 +196,8 @@ def _header(run: Run) -> str:
     d = cfg.data
     tokens = env.dp_world * d.micro_batches * d.rows * d.seq_len
     tp = f" (dp {env.dp_world} x tp {env.tp})" if env.tp > 1 else ""
+    if env.cp > 1:
+        tp = f" (dp {env.dp_world} x cp {env.cp}, head-tail split rows)"
     if env.pp > 1:
         tp = (f" (pp {env.pp} x dp {env.dp_world}, {cfg.parallel.schedule}, "
               f"{pipeline.microbatch_count(cfg)} microbatches)")  # fmt: skip
@@ -365,7 +369,7 @@ def worker_main(cfg: TrainConfig, resume: bool) -> dict[str, Any] | None:
     try:
         cfg = _local_env_config(cfg)
         p = cfg.parallel
-        env = init_distributed(p.backend, p.timeout_s, p.tp, p.pp)
+        env = init_distributed(p.backend, p.timeout_s, p.tp, p.pp, p.cp)
         rank = str(env.rank)
         try:
             return run_worker(cfg, env, resume)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import flatshard as fs
 from flatshard.models import GPT
 from flatshard.packing import PackedBatch, global_token_count, packed_cross_entropy
-from flatshard.tools.train import hf_model, moe
+from flatshard.tools.train import cp_plan, hf_model, moe
 from flatshard.tools.train import tp_plan as tensor_parallel
 from flatshard.tools.train.build import Env
 from flatshard.tools.train.config import TrainConfig
@@ -61,6 +61,7 @@ class Run:
     last: dict[str, Any] = field(default_factory=dict)
     plots_note: str | None = None  # the last plot attempt: None none yet, "" written, else why not
     pipe: Any = None  # train.pipeline.Pipeline with --parallelism.pp > 1 (model: its stages)
+    cp: Any = None  # models.context_parallel.ContextParallel with --parallelism.cp > 1
 
     @property
     def out(self) -> Path:
@@ -77,13 +78,14 @@ def train_step(run: Run, batches: list[PackedBatch]) -> dict[str, float]:
     step's global target tokens. Returns the global loss, real tokens, gradient norm and whether
     the update was skipped (a non-finite loss or norm under ``optim.nonfinite = "skip"``)."""
     world = run.env.world
+    batches = [_local(run, b) for b in batches]  # cp > 1: this rank's share of every row
     # every tp rank of a dp group counts the same tokens: G and W both tp times too large, so
     # W / G is the data-parallel factor (see [Note: the trainer's (dp, tp) layout])
     targets = global_token_count([b.labels for b in batches])  # one all-reduce, all ranks
     stats = torch.zeros(2, device=run.env.device)  # [loss, real tokens]; no host sync per batch
     for b in batches:  # the same count on every rank
         with tensor_parallel.loss_context(run.cfg):
-            logits = hf_model.logits(run.model, b)  # [R, T, V]
+            logits = _logits(run, b)  # [R, T, V] (T / cp tokens with cp > 1)
             loss = packed_cross_entropy(logits, b.labels, targets, world_size=world)
             balance = moe.aux_loss(run.model, len(batches))  # MoE: load balancing, else None
             (loss if balance is None else loss + balance).backward()
@@ -127,7 +129,8 @@ def evaluate(run: Run) -> float | None:
     totals = torch.zeros(2, device=run.env.device)  # [token-loss sum, target count]
     for indices in run.val_steps:  # the same count on every rank
         b = to_batch(run.corpus.val, indices, run.cfg.data, run.env.device, _pad(run))
-        logits = tensor_parallel.full_logits(hf_model.logits(run.model, b))
+        b = _local(run, b)
+        logits = tensor_parallel.full_logits(_logits(run, b))
         totals[0] += GPT.loss(logits, b.labels, reduction="sum")
         totals[1] += b.num_targets
     run.model.train()
@@ -161,6 +164,22 @@ def sample_text(run: Run) -> str:
     if tokenizer.eos_id in out_ids[len(ids) :]:  # cut at the first end-of-document
         out_ids = out_ids[: out_ids.index(tokenizer.eos_id, len(ids))]
     return tokenizer.decode(out_ids)
+
+
+def _local(run: Run, batch: PackedBatch) -> PackedBatch:
+    """This rank's share of ``batch``: all of it, or with cp > 1 its head-tail part of every
+    row (see [Note: the trainer's (dp, cp) layout]); each token then counts on one rank only,
+    so the world-group reductions of loss, targets and tokens stay exact."""
+    if run.cp is None:
+        return batch
+    return cp_plan.local_batch(batch, run.env.cp, run.env.cp_rank)
+
+
+def _logits(run: Run, batch: PackedBatch) -> torch.Tensor:
+    """The model's logits of (this rank's share of) ``batch``."""
+    if run.cp is None:
+        return hf_model.logits(run.model, batch)
+    return cp_plan.cp_logits(run.model, run.cp, batch)
 
 
 def _pad(run: Run) -> int:
