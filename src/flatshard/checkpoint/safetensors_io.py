@@ -145,7 +145,7 @@ def read_into(f, offset: int, out: torch.Tensor, file: Path) -> None:
     is exposed through ``ctypes`` (standard library, every platform), not ``.numpy()``: numpy
     would pin the storage as non-resizable, and is no dependency. Not
     ``safetensors.safe_open(...).get_slice``: it memory-maps the file, and on the bench
-    (docs/checkpoints.md, "Host memory of pretrained loading") it took 1.2-2.7x the CPU time of
+    (docs/checkpoints.md, "Host memory of pretrained loading") it took 1.3-1.7x the CPU time of
     this read and kept the pages it copied from resident while the file was mapped."""
     if not out.numel():
         return
