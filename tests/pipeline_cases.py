@@ -158,7 +158,7 @@ def meshes():
 
 
 def shard_stage(stage: Stage, engine: str, dp_mesh) -> None:
-    if engine == "flatshard":
+    if engine in ("flatshard", "flatshard_plain"):  # plain: schedule.step() without pipeline_step
         fs.shard(stage, policy=fs.wrap.by_type(Block), mesh=dp_mesh, timeout_s=TIMEOUT_S)
     elif engine in ("fsdp2", "fsdp2_keep"):
         from torch.distributed.fsdp import fully_shard
@@ -180,7 +180,7 @@ def reductions(stage: nn.Module) -> int:
 def full_state(stage: nn.Module, engine: str) -> dict | None:
     """The stage's full state dict where this rank holds it (flatshard: the dp mesh's first
     rank; FSDP2: every rank, from ``full_tensor``; plain: every rank), else None."""
-    if engine == "flatshard":
+    if engine.startswith("flatshard"):
         return fs.full_state_dict(stage) or None
     if engine == "plain":
         return {k: v.detach().clone() for k, v in stage.state_dict().items()}

@@ -45,6 +45,7 @@ from contextlib import contextmanager
 from flatshard.core.state import ShardedState, StateMode, get_state
 from flatshard.parallel.pipeline_checks import check_schedule, schedule_stages
 from flatshard.parallel.pipeline_tied import TIES_ATTR
+from flatshard.parallel.plain_schedule import clear_marks
 
 
 @contextmanager
@@ -67,6 +68,7 @@ def pipeline_step(schedule) -> Iterator[None]:
             )
     for state in states:
         state.mode = StateMode.PIPELINE
+        clear_marks(state.root)  # a plain call of a split schedule came before (plain_schedule.py)
     try:
         yield
     except BaseException:
