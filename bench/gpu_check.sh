@@ -3,7 +3,9 @@
 # (the size-one group kept), bit-identical results with every collective delayed on its
 # stream, device syncs per steady step, GPU idle share and host time in waits from the
 # profiler, flatshard vs FSDP2 (step time, peak memory) on a ~1B bf16 GPT, the activation-
-# checkpointing routes and CPU offload. Without CUDA, or with --dry-run, it is a dry run on
+# checkpointing routes and CPU offload; then hybrid_shard and CPU offload under
+# TORCH_CUDA_SANITIZER=1 (bench/gpu_check_sanitizer.py: the report's section "sanitizer").
+# Without CUDA, or with --dry-run, it is a dry run on
 # the CPU (Gloo, tiny sizes) of the same code, the CUDA-only parts skipped with the reason.
 # See docs/performance.md, "GPU check", and bench/gpu_check.py for the sections.
 #
@@ -71,8 +73,14 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export FLATSHARD_TIMEOUT_S="${FLATSHARD_TIMEOUT_S:-60}"  # a hang fails in a minute, not ten
 limit="${GPU_CHECK_TIMEOUT_S:-420}"  # the whole command, this script's start included
 left=$((limit - ($(date +%s) - start)))
-# The Python side starts no section it cannot finish and writes its report before the limit.
-export GPU_CHECK_DEADLINE=$((start + limit - 25))
+# The Python side starts no section it cannot finish and writes its report before the limit,
+# leaving GPU_CHECK_SANITIZER_S (default 60 s on a GPU, 20 s on the CPU) to the sanitizer step.
+if [[ "${info%% *}" == 1 ]]; then
+    reserve="${GPU_CHECK_SANITIZER_S:-60}"
+else
+    reserve="${GPU_CHECK_SANITIZER_S:-20}"
+fi
+export GPU_CHECK_DEADLINE=$((start + limit - 25 - reserve))
 
 timeout --kill-after=10 "$left" \
     "$py" -m torch.distributed.run --standalone --nproc-per-node 1 \
@@ -80,5 +88,38 @@ timeout --kill-after=10 "$left" \
 status=${PIPESTATUS[0]}
 if [[ $status -eq 124 || $status -eq 137 ]]; then
     echo "gpu_check: TIMED OUT after ${limit}s (see $out_dir/gpu_check.log)" >&2
+    exit "$status"
+fi
+
+# Then the hybrid_shard and CPU-offload cases under torch's CUDA sanitizer, in a process of
+# their own (the variable acts at `import torch`, and slows every launch): they add the section
+# `sanitizer` to the report above (gpu_check.json, .md, .txt) and their output to the log.
+# Without CUDA they run on the CPU without the sanitizer (skipped there with the reason).
+left=$((limit - ($(date +%s) - start)))
+if [[ ! -f "$out_dir/gpu_check.json" ]]; then
+    echo "gpu_check: no report to add the sanitizer to (see $out_dir/gpu_check.log)" >&2
+    exit "$status"
+fi
+if [[ $left -lt 30 ]]; then
+    echo "gpu_check: sanitizer SKIPPED (${left}s left of ${limit}s)" | tee -a "$out_dir/gpu_check.log"
+    exit "$status"
+fi
+sanitize=(env TORCH_CUDA_SANITIZER=1)
+if [[ "${info%% *}" != 1 ]]; then
+    # torch without CUDA fails at its first op under the sanitizer (set at all: even empty)
+    sanitize=(env -u TORCH_CUDA_SANITIZER)
+    echo "gpu_check: no CUDA: the sanitizer cases run without TORCH_CUDA_SANITIZER" \
+        | tee -a "$out_dir/gpu_check.log"
+fi
+"${sanitize[@]}" timeout --kill-after=10 "$left" \
+    "$py" -m torch.distributed.run --standalone --nproc-per-node 1 \
+    bench/gpu_check_sanitizer.py --out "$out_dir" 2>&1 | tee -a "$out_dir/gpu_check.log"
+sanitizer=${PIPESTATUS[0]}
+if [[ $sanitizer -eq 124 || $sanitizer -eq 137 ]]; then
+    echo "gpu_check: sanitizer TIMED OUT after ${limit}s (see $out_dir/gpu_check.log)" >&2
+    exit "$sanitizer"
+fi
+if [[ $status -eq 0 ]]; then
+    status=$sanitizer
 fi
 exit "$status"

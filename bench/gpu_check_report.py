@@ -94,6 +94,7 @@ def _profile(ch: dict) -> str:
 
 HEADLINES = {"env": _env, "wait_probe": _wait, "forced": _forced, "checks_forced": _checks}
 HEADLINES.update(checks_plain=_checks, sync_audit=_sync, ab=_ab, profiler=_profile)
+HEADLINES.update(sanitizer=_forced)  # TORCH_CUDA_SANITIZER=1: gpu_check_sanitizer.py
 
 
 def _headline(name: str, section: dict) -> str:

@@ -17,10 +17,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ["env", "wait_probe", "forced", "checks_forced", "sync_audit", "ab", "profiler"]
-SECTIONS += ["checks_plain"]
+SECTIONS += ["checks_plain", "sanitizer"]  # the last: TORCH_CUDA_SANITIZER=1, its own process
 # What a CPU run cannot do, each skipped with its reason (all other checks must pass).
 CUDA_ONLY = {("forced", "delay_side_stream"), ("sync_audit", "sync_audit")}
-CUDA_ONLY |= {("profiler", "profiler")}
+CUDA_ONLY |= {("profiler", "profiler"), ("sanitizer", "sanitizer_on")}
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +51,12 @@ def test_dry_run_reports_every_section(tmp_path):
     assert all(r["issued"] for r in forced.values()), "a forced check issued no collective"
     calls = report["sections"]["ab"]["checks"]["bf16"]["modes"]["flatshard_forced"]
     assert calls["collectives_per_step"].get("all_gather:cpu", 0) > 0
+    sanitized = report["sections"]["sanitizer"]["checks"]
+    assert {"hybrid_shard", "cpu_offload"} <= set(sanitized), sanitized
+    assert all(sanitized[c]["issued"] > 0 for c in ("hybrid_shard", "cpu_offload")), sanitized
+    log = (tmp_path / "gpu_check.log").read_text()
+    assert "== sanitizer (TORCH_CUDA_SANITIZER=unset" in log, log[-2000:]  # CUDA only
+    assert "PASS  hybrid_shard" in (tmp_path / "gpu_check.txt").read_text()
     summary = (tmp_path / "gpu_check.md").read_text()
     assert "PASSED" in summary and all(f"| {name} |" in summary for name in SECTIONS)
     assert (tmp_path / "gpu_check.txt").exists() and (tmp_path / "gpu_check.log").exists()

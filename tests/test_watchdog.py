@@ -1,5 +1,8 @@
-"""The collective watchdog (``flatshard.comm.watchdog``; [Note: the collective watchdog]).
+"""The collective watchdog (``flatshard.comm.watchdog``; [Note: the collective watchdog]) and
+the collective log (``flatshard.comm.collective_log``; [Note: the collective log]).
 
+Off Gloo, by default, a collective is only recorded in the log (no thread, no query of its
+work); the polling watchdog is opt-in (``configure``) and never polls an NCCL group's works.
 Unit tests drive a ``Watchdog`` with fake works and a fake clock (no thread, no real time);
 one test runs the thread itself; one runs on a Gloo pool (nothing may start there); one runs
 on the ``strict_async`` backend (NCCL's semantics), where rank 1 skips an all-reduce that
@@ -19,7 +22,7 @@ import torch.distributed as dist
 
 import flatshard as fs
 from dist_pool import CASE_TIMEOUT_S
-from flatshard.comm import watchdog
+from flatshard.comm import collective_log, watchdog
 from flatshard.comm.watchdog import CollectiveHang, Watchdog, bound_s
 from nccl_pool import strict_pools  # noqa: F401 (the fixture)
 
@@ -64,8 +67,10 @@ def clock() -> Clock:
 @pytest.fixture(autouse=True)
 def no_process_watchdog():
     """No test leaves the process's watchdog (or its thread) behind."""
+    collective_log.resize(collective_log.DEFAULT_SIZE)
     yield
     watchdog.reset()
+    collective_log.resize(collective_log.DEFAULT_SIZE)
 
 
 # ---- unit tests: fake works, fake clock ---------------------------------------------------------
@@ -169,6 +174,63 @@ def test_the_thread_reports_by_itself_and_stops() -> None:
     assert len(dog.reports) == 1, "the thread did not report the stuck collective"
     watchdog.reset()
     assert not thread.is_alive() and watchdog.current() is None
+
+
+# ---- off Gloo by default: a record, no thread, no query of the work ----------------------------
+class UnqueriedWork:
+    """A work that must never be queried from Python (what an NCCL work is to flatshard)."""
+
+    def is_completed(self) -> bool:
+        raise AssertionError("a CUDA work was queried from Python")
+
+
+def test_by_default_a_collective_is_recorded_and_never_polled(clock) -> None:
+    watchdog.adopt("raise", 600.0)  # what fs.shard does
+    for n in range(3):
+        collective_log.record("all_gather", LABEL, clock=clock)  # what watch() appends
+        watchdog.watch(UnqueriedWork(), "reduce_scatter", f"unit {n}")
+    dog = watchdog.current()
+    assert dog.in_flight() == 0 and not dog.running() and not dog.polls
+    assert not [t for t in threading.enumerate() if t.name == watchdog.THREAD_NAME]
+    assert [(r.op, r.label) for r in collective_log.records()][-2:] == [
+        ("all_gather", LABEL),
+        ("reduce_scatter", "unit 2"),
+    ]
+    watchdog.adopt("off", 600.0)
+    watchdog.watch(UnqueriedWork(), "all_reduce", "unit 9")
+    assert collective_log.records()[-1].label == "unit 2"  # off: nothing recorded
+
+
+def test_a_polling_watchdog_never_polls_an_nccl_group(monkeypatch) -> None:
+    dog = watchdog.configure(interval_s=3600)  # polls, but idles here
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    watchdog.watch(UnqueriedWork(), "all_gather", LABEL, FakeGroup(600))
+    assert dog.in_flight() == 0 and collective_log.records()[-1].label == LABEL
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "strict_async")
+    watchdog.watch(FakeWork(), "all_gather", LABEL, FakeGroup(600))
+    assert dog.in_flight() == 1  # a host-side work: polled
+
+
+def test_the_log_names_the_last_collectives_each_unit_issued(clock) -> None:
+    collective_log.resize(5)
+    for n in range(8):  # the ring keeps the newest five
+        clock.now = float(n)
+        collective_log.record("all_gather" if n % 2 else "reduce_scatter", f"unit {n % 3}",
+                              clock=clock)  # fmt: skip
+    assert [r.issued for r in collective_log.records()] == [3.0, 4.0, 5.0, 6.0, 7.0]
+    text = collective_log.dump(now=10.0)
+    lines = text.splitlines()
+    assert lines[0].startswith("[flatshard rank 0] the last collectives each unit issued (5")
+    # Units ordered by their newest collective: the one that stopped first comes first.
+    assert [line.split(":")[0].strip() for line in lines[1:]] == [
+        "unit 2", "unit 0", "unit 0", "unit 1", "unit 1"]  # fmt: skip
+    assert "unit 1: all_gather seq ? over ranks" in lines[-1], lines[-1]
+    assert lines[-1].endswith("issued 3.0 s ago"), lines[-1]
+    recorder = collective_log.dump(now=10.0, flight_recorder=True).splitlines()[-1]
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" in recorder or "TORCH_NCCL_DUMP_ON_TIMEOUT" in recorder
+    collective_log.resize(0)
+    collective_log.record("all_gather", LABEL, clock=clock)
+    assert collective_log.records() == []
 
 
 # ---- real process groups ------------------------------------------------------------------------

@@ -2,47 +2,38 @@
 
 [Note: the collective watchdog]
 Why: on Gloo every flatshard wait passes ``FLATSHARD_TIMEOUT_S`` and blocks the host, so a
-hang becomes an error naming the rank and the operation. On NCCL (any backend but Gloo) a
-wait must not take a timeout: ProcessGroupNCCL's ``wait(timeout)`` makes the host poll until
-the collective has completed on the GPU, which ends all CPU run-ahead (see
-``collectives._bounded_wait``). The host then blocks later, at whatever synchronizes (a
-``.item()``, the optimizer step), and only the process group's own watchdog ends the hang:
-after its timeout (NCCL's default, 10 min, equals flatshard's 600 s), with a message naming a
-sequence number and an op type, not the unit, the bucket or what to check.
+hang becomes an error naming the rank and the operation; nothing here runs. On NCCL (any
+backend but Gloo) a wait must not take a timeout: ProcessGroupNCCL's ``wait(timeout)`` makes
+the host poll until the collective has completed on the GPU, which ends all CPU run-ahead
+(see ``collectives._bounded_wait``). A hang there is torch's to end: the process group's own
+watchdog thread (``init_process_group(timeout=)``, 10 min by default) aborts the group, and its
+flight recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``, ``TORCH_NCCL_DUMP_ON_TIMEOUT``) dumps the
+collectives in flight. flatshard adds only what they lack: which unit issued the collective.
 
-How: every collective flatshard issues off Gloo is registered here (``PendingWork`` does it
-at construction): an append to a deque, O(1) and lock-free (``deque.append`` is atomic under
-the GIL), costing ~0.3 us. A daemon thread, started by the first registration, wakes every
-``interval_s`` (0.5 s), moves the new entries to its own list, forgets the completed ones
-(``work.is_completed()``: on NCCL a ``cudaEventQuery``, the query the group's own watchdog
-makes every 100 ms; it never blocks on the collective) and reports the oldest collective that
-has been incomplete for longer than its bound: one message to stderr (and to ``logging``,
-when the application configured a handler) naming the rank, the op, the label, the group's
-ranks, the age, the bound and what to check. Nothing more is reported while that one stays
-in flight: a stuck collective stalls everything issued after it on the same stream.
+How, on a device backend (``watch``, from ``PendingWork``'s construction): one record in the
+collective log (``collective_log.py``, [Note: the collective log]): the group, torch's
+sequence number, the op, flatshard's label, the issue time. O(1), host-side; no thread starts
+and no Python code ever queries a CUDA work (``work.is_completed()`` is a ``cudaEventQuery``
+that the group's watchdog makes anyway, every 100 ms). ``collective_log.dump()`` prints the
+last collectives each unit issued; their sequence numbers match the flight recorder's dump.
+``FLATSHARD_WATCHDOG=off`` records nothing; the other actions only matter to a polling
+watchdog (below).
 
-Then, per ``FLATSHARD_WATCHDOG``: ``raise`` (default) also raises ``CollectiveHang`` in the
-main thread at its next flatshard wait (a traceback that says where training was);
-``abort`` also aborts the stuck collective's process group from the watchdog thread
-(``ProcessGroup.abort``: the NCCL kernels exit, so a host blocked in a synchronize wakes up),
-and raises like ``raise``; ``report`` only reports; ``off`` registers nothing. In every mode
-the group's own watchdog still ends the job at its timeout if nothing else does.
+The polling watchdog, opt-in (``configure``: tests and programs that choose it in code), and
+never on NCCL groups: a daemon thread wakes every ``interval_s``, forgets the completed works
+and reports the oldest one in flight past its bound (one message to stderr and ``logging``,
+naming the rank, the op, the label, the group's ranks, the age and what to check). Then, per
+action: ``raise`` (default) also raises ``CollectiveHang`` at the main thread's next flatshard
+wait; ``abort`` also aborts the group (``ProcessGroup.abort``); ``report`` only reports. It
+serves backends whose works are host objects (the ``strict_async`` test backend, a process
+group written in Python), where the query costs no device synchronization.
 
 The bound (:func:`bound_s`): ``min(flatshard's timeout, T - max(0.2 T, 2 intervals))``, T the
 group's timeout when readable (``_get_backend(dev).options._timeout``: NCCL and Gloo; a
-Python process group's ``_timeout``; else torch's default for the backend). The group's
-watchdog measures from the same moment (the work's creation on the host), so flatshard's
-message comes at least 20% of T early: 480 s against NCCL's 600 s at the defaults, 2 minutes
-for it to be flushed and collected before the job is killed. A smaller flatshard timeout
-(``fs.shard(timeout_s=)``, ``FLATSHARD_TIMEOUT_S``) fires earlier. The action and the timeout
-are the ones ``fs.shard`` read (``adopt``, see [Note: one watchdog per process]); the timeout
-is then also taken from every wait (the engine passes its own to each ``PendingWork.wait``).
-
-Costs and limits: the watchdog holds each registered ``Work`` until the first poll after it
-completed, as the group's own watchdog does; a ``Work`` may hold its tensors, so they can
-live up to ``interval_s`` longer than the collective. On Gloo nothing is registered and no
-thread starts: those waits are bounded already. Under the ``strict_async`` test backend a
-collective completes at its ``wait()`` only, so it counts as in flight until waited.
+Python process group's ``_timeout``; else torch's default for the backend): flatshard's message
+comes at least 20% of T before the group's own. The timeout is also taken from every wait
+(the engine passes its own to each ``PendingWork.wait``). The thread holds each ``Work`` (and
+so its tensors) until the first poll after it completed.
 """
 
 from __future__ import annotations
@@ -57,6 +48,8 @@ from collections import deque
 from collections.abc import Callable
 
 import torch.distributed as dist
+
+from flatshard.comm import collective_log
 
 log = logging.getLogger("flatshard.watchdog")
 
@@ -141,6 +134,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.started = False  # start() was called (and stop() not since)
+        self.polls = False  # watches works itself: set by configure() only (see the Note)
 
     def watch(self, work, op: str, label: str = "", group=None) -> None:
         """Register a collective just issued (O(1), no lock)."""
@@ -286,7 +280,7 @@ def _abort(group) -> None:
 
 # ---- the process's watchdog -----------------------------------------------------------------
 # [Note: one watchdog per process]
-# The thread watches every collective the process issues off Gloo, whichever model issued it
+# It records every collective the process issues off Gloo, whichever model issued it
 # (``PendingWork`` registers without knowing its model), so there is one per process. Its
 # settings are a model's: ``fs.shard`` hands it the switches it read (``adopt``), and a later
 # ``fs.shard`` the ones it read (the environment is per process, so they differ only when the
@@ -304,8 +298,8 @@ def current() -> Watchdog | None:
 
 def adopt(action: str, timeout_s: float) -> None:
     """``fs.shard``: the process's watchdog takes the switches the model read
-    (``FLATSHARD_WATCHDOG``, its timeout). Its thread starts at the first collective off Gloo
-    (on Gloo it never does). ``ValueError`` for an unknown action."""
+    (``FLATSHARD_WATCHDOG``, its timeout). No thread starts (only ``configure`` polls).
+    ``ValueError`` for an unknown action."""
     global _DOG
     if action not in ACTIONS:
         raise ValueError(f"FLATSHARD_WATCHDOG={action!r}: use one of {', '.join(ACTIONS)}")
@@ -319,11 +313,27 @@ def adopt(action: str, timeout_s: float) -> None:
 
 
 def watch(work, op: str, label: str = "", group=None) -> None:
-    """Register a collective just issued off Gloo; the first one starts the thread."""
-    dog = _DOG
-    if dog is None or (dog.action != "off" and not dog.started):
-        dog = _make()
-    dog.watch(work, op, label, group)
+    """A collective just issued off Gloo: one record in the collective log; a polling
+    watchdog (``configure``) also watches its work, unless it runs on NCCL."""
+    dog = _DOG if _DOG is not None else _make()
+    if dog.action == "off":
+        return
+    collective_log.record(op, label, group)
+    if dog.polls and not on_cuda(group):
+        if not dog.started:
+            dog.start()
+        dog.watch(work, op, label, group)
+
+
+def on_cuda(group) -> bool:
+    """Whether ``group`` runs collectives on NCCL: their works are CUDA events, never polled
+    from Python (the group's own watchdog does)."""
+    if group is None and not dist.is_initialized():
+        return False  # no process group: a work made by a test, never a device's
+    try:
+        return "nccl" in str(dist.get_backend(group)).lower()
+    except Exception:  # unknown: assume a device, the safe side (no query)
+        return True
 
 
 def check(timeout: datetime.timedelta | None) -> None:
@@ -344,6 +354,7 @@ def configure(**settings) -> Watchdog:
     global _DOG
     reset()
     dog = Watchdog(**settings)
+    dog.polls = True
     dog.start()
     _DOG = dog
     return dog
@@ -358,14 +369,13 @@ def reset() -> None:
 
 
 def _make() -> Watchdog:
-    """The process's watchdog, started: the one ``fs.shard`` set up, or (no sharded model in
-    this process, see [Note: one watchdog per process]) one set from the environment."""
+    """The process's watchdog (no sharded model in this process, see [Note: one watchdog per
+    process]): one set from the environment, not polling."""
     global _DOG
     with _MAKING:
         if _DOG is None:
             action = os.environ.get("FLATSHARD_WATCHDOG", "") or "raise"
             _DOG = Watchdog(action=action, timeout_s=_env_timeout_s())
-        _DOG.start()
     return _DOG
 
 
