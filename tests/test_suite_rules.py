@@ -12,7 +12,7 @@ TESTS = Path(__file__).resolve().parent
 
 @pytest.mark.harness
 def test_no_test_skips_on_a_flatshard_module_failing_to_import():
-    """``pytest.importorskip("flatshard...")`` turns a broken flatshard module into a skip;
+    """An importorskip of one of flatshard's own modules turns a broken module into a skip;
     a plain import makes it a failure."""
     pattern = re.compile(r"importorskip\(\s*['\"]flatshard")
     found = [

@@ -110,7 +110,8 @@ def _rank() -> int | str:
     try:
         import torch.distributed as dist
 
-        return dist.get_rank() if dist.is_initialized() else 0
+        # world: the dump names the process (global rank), as torch's flight recorder does
+        return dist.get_rank() if dist.is_initialized() else 0  # world: see above
     except RuntimeError:
         return "?"
 
@@ -119,7 +120,8 @@ def _ranks(group) -> str:
     try:
         import torch.distributed as dist
 
-        return str(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+        default = dist.group.WORLD  # world: a collective issued with group=None ran there
+        return str(dist.get_process_group_ranks(group if group is not None else default))
     except Exception:  # a destroyed group: the dump must still go out
         return "?"
 

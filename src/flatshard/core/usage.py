@@ -103,10 +103,9 @@ def _host_agreement(masks: list[torch.Tensor], topology: Topology, stats) -> lis
 
 
 def _split(agreed: list[bool], local: list[list[bool]]) -> list[list[bool]]:
-    """``agreed`` cut per mask, or-ed with this rank's own use."""
-    out, at = [], 0
-    for mask in local:
-        out.append([mine or theirs for mine, theirs in zip(mask, agreed[at:], strict=False)])
-        at += len(mask)
-    assert at == len(agreed), (at, len(agreed))
+    """``agreed`` cut per mask, or-ed with this rank's own use (one pass: no slice per mask)."""
+    theirs = iter(agreed)
+    # zip takes ``mask`` first: it stops at the mask's end without drawing from ``theirs``
+    out = [[mine or other for mine, other in zip(mask, theirs, strict=False)] for mask in local]
+    assert next(theirs, None) is None, "more flags than parameters"
     return out

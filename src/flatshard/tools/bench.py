@@ -175,7 +175,7 @@ def _autocast(r: Runner, device: torch.device) -> contextlib.AbstractContextMana
 
 def run_rounds(runners: list[Runner], args: argparse.Namespace, vocab: int) -> None:
     """``args.steps`` rounds of one step per mode (rotated order); keep the slowest rank's time."""
-    g = torch.Generator().manual_seed(1000 + dist.get_rank())
+    g = torch.Generator().manual_seed(1000 + dist.get_rank())  # world: a tool
     for i in range(args.steps):
         x = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=g)
         k = i % len(runners)
@@ -296,7 +296,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     modes = MODES if args.mode == "all" else (args.mode,)
     runners = [build(m, args) for m in modes]
     run_rounds(runners, args, _vocab(args))
-    out = summarize(runners, args, dist.get_world_size())
+    out = summarize(runners, args, dist.get_world_size())  # world: a tool
     out["rss_mb_ranks"], out["rss_before_models_mb"] = _gather_rss(), before
     return out
 
@@ -306,7 +306,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     out = run_bench(args)
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0:  # world: a tool
         if not args.quiet:
             print_report(out)
         if args.json:
@@ -317,8 +317,9 @@ def worker(args: argparse.Namespace) -> None:
 
 def _gather_rss() -> list[float]:
     """Peak RSS (MB) of every rank so far."""
-    rss = torch.zeros(dist.get_world_size(), dtype=torch.float64)
-    rss[dist.get_rank()] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rss = torch.zeros(dist.get_world_size(), dtype=torch.float64)  # world: a tool
+    rank = dist.get_rank()  # world: a tool
+    rss[rank] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     dist.all_reduce(rss)
     return rss.tolist()
 

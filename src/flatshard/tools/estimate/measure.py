@@ -125,7 +125,7 @@ def measure_step(
     """:func:`build` (``options``), run two warm-up steps, then measure one step of ``batch``
     random sequences of ``seq`` tokens. Call on every rank; returns this rank's bytes."""
     model, opt, vocab = build(model_name, seed=seed, **options)
-    gen = torch.Generator().manual_seed(seed + 1 + dist.get_rank())
+    gen = torch.Generator().manual_seed(seed + 1 + dist.get_rank())  # world: a tool
     seen: dict[str, int] = {}
 
     def step(after_forward: Callable[[], None] = lambda: None) -> None:

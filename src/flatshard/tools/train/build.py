@@ -84,9 +84,9 @@ def init_distributed(backend: str, timeout_s: float, tp: int = 1, pp: int = 1, c
     else:
         device = torch.device("cpu")
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-    world = dist.get_world_size()
+    world = dist.get_world_size()  # world: a tool
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return Env(dist.get_rank(), world, local_world, device, tp, pp, cp)
+    return Env(dist.get_rank(), world, local_world, device, tp, pp, cp)  # world: a tool
 
 
 def build_model(cfg: TrainConfig, env: Env, vocab_needed: int = 258) -> GPT:

@@ -47,14 +47,14 @@ def _on_rank0(fn: Any, *args: Any) -> Any:
     """``fn(*args)`` on rank 0, its result (or exception) broadcast to every rank: decisions that
     read the file system must be the same everywhere, and an error must stop every rank."""
     box: list[Any] = [None]
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0:  # world: a tool
         try:
             box[0] = fn(*args)
         except Exception as e:
             box[0] = e
     dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], Exception):
-        box[0].reported_by_rank0 = dist.get_rank() != 0  # type: ignore[attr-defined]
+        box[0].reported_by_rank0 = dist.get_rank() != 0  # type: ignore[attr-defined]  # world: a tool
         raise box[0]
     return box[0]
 
