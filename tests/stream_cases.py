@@ -95,6 +95,16 @@ def misuse_read_before_wait() -> None:
     work.wait()
 
 
+def misuse_functional_read_before_wait() -> None:
+    """A functional collective's result (DTensor's kind: ``torch.ops._c10d_functional``)
+    read on the compute stream before ``wait_tensor``."""
+    rank, world = _world()
+    name = dist.group.WORLD.group_name
+    out = torch.ops._c10d_functional.all_gather_into_tensor(torch.full((2,), rank), world, name)
+    out.sum()
+    torch.ops._c10d_functional.wait_tensor(out)
+
+
 def misuse_gather_buffer_reused_while_reduced() -> None:
     """A gathered buffer becomes a reduce-scatter's input on the reduce stream; the compute
     stream hands it back to a pool and the next gather (on the gather stream) writes it
@@ -178,6 +188,7 @@ MISUSES = {
         "reduce_scatter",
     ),
     "read before wait": ("misuse_read_before_wait", "read", "all_reduce"),
+    "functional read before wait": ("misuse_functional_read_before_wait", "read", "all_gather"),
     "gather buffer reused while reduced": (
         "misuse_gather_buffer_reused_while_reduced",
         "write",
@@ -315,6 +326,7 @@ def compiled(how: str) -> dict:
 
 
 def tensor_parallel(name: str) -> list[dict]:
+    """One ``test_tensor_parallel`` case (float64, SGD, 3 steps against one process)."""
     from test_tensor_parallel import CASES
     from tp_cases import run_specs
 
@@ -372,6 +384,9 @@ SLICE_LABELS = {
              "offload fp32 lora", "muon plain", "adafactor max"]),
     4: (["hybrid gpt_tied", "hybrid no_sync"], []),
 }  # fmt: skip
+# FSDP x TP cases of test_tensor_parallel (dp2 x tp2), DTensor's redistributions carried by
+# ``testing/functional_collectives.py``; the fast one above, these with FLATSHARD_SLOW=1
+TP_SLOW = ("tp", "sp_shard_grad_op", "sp_checkpoint_fs", "sp_tied_lazy_root", "sp_meta_init")
 EXTRA = [  # (world, label, function here, args, slow)
     (2, "prefetch 0", "prefetch", (0, "none"), True),
     (2, "prefetch 1 pre", "prefetch", (1, "pre"), True),
@@ -382,4 +397,6 @@ EXTRA = [  # (world, label, function here, args, slow)
     (4, "pipeline ZBVZeroBubble", "pipeline", ("ZBVZeroBubble", 2), True),
     (4, "pipeline InterleavedZeroBubble", "pipeline", ("InterleavedZeroBubble", 2), True),
     (4, "experts on their own mesh", "experts", (4, 2), True),
+    (4, "tp sp_loss_parallel", "tensor_parallel", ("sp_loss_parallel",), False),
+    *[(4, f"tp {name}", "tensor_parallel", (name,), True) for name in TP_SLOW],
 ]

@@ -13,12 +13,12 @@
     prefetch depths, and (slow) pipeline 1F1B / ZBVZeroBubble / InterleavedZeroBubble and
     experts on their own mesh: each exact (its own test's check) with zero violations.
 
-What cannot run under it: **tensor parallelism** (DTensor's redistributions are functional
-collectives, dispatched to the group's C++ backend, which ``strict_async`` does not register:
-"No backend type associated with device type cpu"; FSDP2's ``full_tensor()`` likewise), and
-**compiled blocks** (Dynamo does not compile while a ``TorchDispatchMode`` is active: with
-``fullgraph=True`` it fails with "found no compiled frames", otherwise the blocks run eagerly,
-which the rest of the suite already covers).
+Tensor parallelism runs under it (FSDP x TP at dp2 x tp2, with and without sequence and loss
+parallelism): DTensor's functional collectives are carried by
+``flatshard.testing.functional_collectives``, and a functional result read before its wait is
+caught like any other. What cannot run under it: **compiled blocks** (Dynamo does not
+compile while a ``TorchDispatchMode`` is active: with ``fullgraph=True`` it fails with "found
+no compiled frames", otherwise the blocks run eagerly, which the rest of the suite covers).
 """
 
 from __future__ import annotations
@@ -184,7 +184,15 @@ def _experts(results: list, label: str) -> None:
     assert all(max(r["params"], r["norm"]) <= 1e-12 for r in results), (label, results)
 
 
-CHECKS = {"prefetch": _prefetch, "fsdp2": _fsdp2, "pipeline": _pipeline, "experts": _experts}
+def _tensor_parallel(results: list, label: str) -> None:
+    rows = [row for per_rank in results for row in per_rank]
+    assert all("error" not in r for r in rows), (label, rows)
+    assert all(max(r["err"], r["norm_err"]) <= 1e-12 for r in rows), (label, rows)
+    assert sum(r["holds"] for r in rows) == 2, rows  # the tp peers of rank 0 compared
+
+
+CHECKS = {"prefetch": _prefetch, "fsdp2": _fsdp2, "pipeline": _pipeline, "experts": _experts,
+          "tp": _tensor_parallel}  # fmt: skip
 
 
 def test_the_lists_name_existing_cases():

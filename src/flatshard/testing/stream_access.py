@@ -240,6 +240,8 @@ class AccessMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if functional_collectives.handles(func):  # DTensor's: no C++ backend to run them
+            return functional_collectives.dispatch(func, args, kwargs)
         # The backend's own threads (Gloo's workers inherit the mode with torch's thread-local
         # state) run its scratch copies, not the program.
         if WORLD.paused or not WORLD.active or threading.get_ident() != WORLD.thread:
@@ -344,3 +346,11 @@ def _site() -> str:
 
 def _free_site() -> str:
     return _site()
+
+
+def caller_site() -> str:
+    """flatshard's line (or the caller's outside torch) for an access made on its behalf."""
+    return _site()
+
+
+from flatshard.testing import functional_collectives  # noqa: E402 (it uses the above)
