@@ -105,6 +105,16 @@ def misuse_functional_read_before_wait() -> None:
     torch.ops._c10d_functional.wait_tensor(out)
 
 
+def misuse_compiled_read_before_wait() -> None:
+    """A compiled function (``aot_eager``, ``fullgraph``) reads an all-reduce's output on the
+    compute stream before its ``wait()``: the compiled graph's ops are recorded too."""
+    compiled = torch.compile(lambda t: (t * 2).sum(), backend="aot_eager", fullgraph=True)
+    tensor = torch.ones(3)
+    work = dist.all_reduce(tensor, async_op=True)
+    compiled(tensor)
+    work.wait()
+
+
 def misuse_gather_buffer_reused_while_reduced() -> None:
     """A gathered buffer becomes a reduce-scatter's input on the reduce stream; the compute
     stream hands it back to a pool and the next gather (on the gather stream) writes it
@@ -189,6 +199,7 @@ MISUSES = {
     ),
     "read before wait": ("misuse_read_before_wait", "read", "all_reduce"),
     "functional read before wait": ("misuse_functional_read_before_wait", "read", "all_gather"),
+    "compiled read before wait": ("misuse_compiled_read_before_wait", "read", "all_reduce"),
     "gather buffer reused while reduced": (
         "misuse_gather_buffer_reused_while_reduced",
         "write",
@@ -398,5 +409,8 @@ EXTRA = [  # (world, label, function here, args, slow)
     (4, "pipeline InterleavedZeroBubble", "pipeline", ("InterleavedZeroBubble", 2), True),
     (4, "experts on their own mesh", "experts", (4, 2), True),
     (4, "tp sp_loss_parallel", "tensor_parallel", ("sp_loss_parallel",), False),
+    (2, "compiled block_forward", "compiled", ("block_forward",), False),
+    (2, "compiled compile_after", "compiled", ("compile_after",), True),
+    (2, "compiled wrap_before", "compiled", ("wrap_before",), True),
     *[(4, f"tp {name}", "tensor_parallel", (name,), True) for name in TP_SLOW],
 ]

@@ -16,9 +16,10 @@
 Tensor parallelism runs under it (FSDP x TP at dp2 x tp2, with and without sequence and loss
 parallelism): DTensor's functional collectives are carried by
 ``flatshard.testing.functional_collectives``, and a functional result read before its wait is
-caught like any other. What cannot run under it: **compiled blocks** (Dynamo does not
-compile while a ``TorchDispatchMode`` is active: with ``fullgraph=True`` it fails with "found
-no compiled frames", otherwise the blocks run eagerly, which the rest of the suite covers).
+caught like any other. Compiled blocks run under it too (``aot_eager``, fullgraph: the
+access mode says ``ignore_compile_internals``, so Dynamo compiles under it and the graph's
+aten ops are recorded at run time; a compiled read before a wait is caught). What it cannot
+see: the inside of an inductor kernel.
 """
 
 from __future__ import annotations
@@ -191,8 +192,16 @@ def _tensor_parallel(results: list, label: str) -> None:
     assert sum(r["holds"] for r in rows) == 2, rows  # the tp peers of rank 0 compared
 
 
+def _compiled(results: list, label: str) -> None:
+    from test_compile import EAGER_TOLERANCE
+
+    for r in (case for per_rank in results for case in per_rank.values()):
+        assert max(r["loss"], r["grad"], r["params"]) <= EAGER_TOLERANCE, (label, r)
+        assert r["graphs"] == 1 and r["breaks"] == 0, (label, r)  # compiled, not eager
+
+
 CHECKS = {"prefetch": _prefetch, "fsdp2": _fsdp2, "pipeline": _pipeline, "experts": _experts,
-          "tp": _tensor_parallel}  # fmt: skip
+          "tp": _tensor_parallel, "compiled": _compiled}  # fmt: skip
 
 
 def test_the_lists_name_existing_cases():

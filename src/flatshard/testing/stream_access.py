@@ -238,6 +238,16 @@ def joined(stream: VStream | None) -> None:
 class AccessMode(TorchDispatchMode):
     """Records every aten op's reads and writes on the current virtual stream."""
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Let Dynamo compile under this mode (it skips frames while a mode that says False
+        is on the stack: compiled blocks would run eagerly, or fail under ``fullgraph=True``).
+        The mode is off while Dynamo traces and on while the compiled artifact runs: an
+        ``aot_eager`` graph runs aten ops one by one, which the mode records as it does
+        eager ones; an inductor kernel is opaque to it (its accesses are not recorded; a read
+        before a wait still shows through the poisoned outputs of ``nccl_semantics``)."""
+        return True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if functional_collectives.handles(func):  # DTensor's: no C++ backend to run them
