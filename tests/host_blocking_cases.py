@@ -68,6 +68,8 @@ def case_steps(config: dict) -> dict:
         torch.manual_seed(0)
         if c.model == "pp":
             return _pp_steps(c, syncs)
+        if c.model == "tp":
+            return _tp_steps(c, syncs)
         model, loss_of = BUILDS.get(c.model, _parity_case)(c)
         opt = _optimizer(c, model)
         scaler = fs.GradScaler(init_scale=2.0**8) if c.precision == "fp16" else None
@@ -130,6 +132,31 @@ def _pp_steps(c: Config, syncs: HostSyncs) -> dict:
                 fs.clip_grad_norm_([stage], 1.0, across=mesh["pp"])
             opt.step()
             opt.zero_grad()
+    return {"steps": syncs.summary(), "mixed": sorted(set(syncs.mixed))}
+
+
+def _tp_steps(c: Config, syncs: HostSyncs) -> dict:
+    """FSDP x TP (tp_cases' model, world 4 = dp 2 x tp 2, sequence and loss parallel):
+    DTensor's redistributions are functional collectives, carried on strict_async by
+    ``testing/functional_collectives.py``."""
+    import tp_cases
+    from flatshard.testing.functional_collectives import carried
+
+    mesh, tp_mesh, dp_mesh, dp_size, dp_index = tp_cases._meshes(False)
+    with carried():
+        model = tp_cases.build().to(COMPUTE)
+        tp_cases.parallelize(model, tp_mesh, sp=True, loss_par=True)
+        tp_cases._shard(model, {"engine": "flatshard"}, mesh, dp_mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for step in range(STEPS):
+            tokens, target = tp_cases.global_batch(step, dp_size)
+            mine = slice(dp_index * tp_cases.ROWS, (dp_index + 1) * tp_cases.ROWS)
+            with syncs.step():
+                tp_cases.loss_of(model, tokens[mine].to(COMPUTE), target[mine].to(COMPUTE), True)
+                if c.clip:
+                    fs.clip_grad_norm_(model, 1.0)
+                opt.step()
+                opt.zero_grad()
     return {"steps": syncs.summary(), "mixed": sorted(set(syncs.mixed))}
 
 

@@ -22,11 +22,13 @@ exactly as flatshard's own collectives are. An op it does not carry raises, nami
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
-
-from flatshard.testing import stream_access
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN,
                "max": dist.ReduceOp.MAX, "product": dist.ReduceOp.PRODUCT}  # fmt: skip
@@ -51,6 +53,23 @@ def dispatch(func, args: tuple, kwargs: dict):
     return handler(*args, **kwargs)
 
 
+class _Carried(TorchDispatchMode):
+    """Only the functional collectives, outside a virtual-streams session."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if handles(func):
+            return dispatch(func, args, kwargs or {})
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def carried() -> Iterator[None]:
+    """Run DTensor's functional collectives on strict_async groups outside a
+    ``virtual_streams.session()`` (which carries them itself)."""
+    with _Carried():
+        yield
+
+
 def _group(group_name) -> dist.ProcessGroup:
     group = group_name if isinstance(group_name, dist.ProcessGroup) else None
     return group if group is not None else _resolve_process_group(group_name)
@@ -58,8 +77,11 @@ def _group(group_name) -> dist.ProcessGroup:
 
 def _fresh(like: torch.Tensor, shape: list[int], op: str) -> torch.Tensor:
     """A result, allocated on the current stream (as the C++ kernel allocates it)."""
+    from flatshard.testing import stream_access  # (it hands the ops here: no import circle)
+
     out = like.new_empty(shape)
-    stream_access.allocated(out.untyped_storage(), op, stream_access.caller_site())
+    if stream_access.WORLD.active:
+        stream_access.allocated(out.untyped_storage(), op, stream_access.caller_site())
     return out
 
 

@@ -43,6 +43,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from flatshard.testing import functional_collectives
 from flatshard.testing._clocks import WORLD, Violation, VStream, join
 
 _FACTORY = re.compile(r"(new_.*|.*_like)")  # the sanitizer's: their inputs give only metadata
@@ -361,6 +362,3 @@ def _free_site() -> str:
 def caller_site() -> str:
     """flatshard's line (or the caller's outside torch) for an access made on its behalf."""
     return _site()
-
-
-from flatshard.testing import functional_collectives  # noqa: E402 (it uses the above)
