@@ -1,7 +1,8 @@
 """``flatshard estimate`` against published training runs (``tools/estimate/published.py``, the
 table in ``docs/estimate.md``): one model of the step, no per-row factor, every row within
-20 % of its published tokens/s per GPU. The efficiency factors themselves are checked against
-hand-computed FLOPs and times."""
+20 % of its published tokens/s per GPU and, where memory is published and the step is replayed,
+its reserved-memory estimate within 10 % of the published ``max_reserved``. The efficiency
+factors and the reserved parts themselves are checked against hand-computed figures."""
 
 from __future__ import annotations
 
@@ -51,16 +52,28 @@ def test_published_throughput_within_20_percent(run):
     assert est.tokens_per_s == pytest.approx(run.tokens_per_s, rel=0.20), run.source
 
 
-WITH_MEMORY = tuple(r for r in PUBLISHED if r.memory_gib and r.pp == 1)
+WITH_MEMORY = tuple(r for r in PUBLISHED + KNOWN_GAPS if r.memory_gib and r.pp == 1)
+PIPELINE_MEMORY = tuple(r for r in PUBLISHED if r.memory_gib and r.pp > 1)
 
 
 @pytest.mark.parametrize("run", WITH_MEMORY, ids=_ids(WITH_MEMORY))
-def test_live_peak_is_below_the_published_reserved_memory(run):
-    """torchtitan publishes ``max_memory_reserved``: the caching allocator's segments, which
-    hold the live tensors and the holes between them. The estimate counts live tensors only,
-    so it must stay below, and (the gap documented in docs/estimate.md) within 35 %."""
-    live = estimate_run(run).peak_gib
-    assert 0.65 * run.memory_gib <= live <= run.memory_gib
+def test_reserved_estimate_within_10_percent_of_published_memory(run):
+    """torchtitan publishes ``max_memory_reserved``; the estimate's reserved figure (live peak
+    plus what the caching allocator holds beyond it, ``reserved.py``) is compared with it, and
+    the allocated peak stays below both (reserved memory holds the live tensors)."""
+    est = estimate_run(run)
+    assert est.reserved_gib == pytest.approx(run.memory_gib, rel=0.10), run.source
+    assert est.peak_gib < est.reserved_gib and est.peak_gib < run.memory_gib
+
+
+def test_only_pipeline_rows_lack_a_memory_estimate():
+    """The two 405 B rows (PP 8) publish memory, but a pipeline stage is not replayed (see
+    docs/estimate.md): no estimate, rather than an unchecked one."""
+    assert len(WITH_MEMORY) + len(PIPELINE_MEMORY) == sum(
+        1 for r in PUBLISHED + KNOWN_GAPS if r.memory_gib
+    )
+    assert len(PIPELINE_MEMORY) == 2
+    assert all(estimate_run(r).reserved_gib is None for r in PIPELINE_MEMORY)
 
 
 @pytest.mark.parametrize("run", KNOWN_GAPS, ids=_ids(KNOWN_GAPS))

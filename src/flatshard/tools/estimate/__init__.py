@@ -8,6 +8,7 @@ from flatshard.tools.estimate.activations import Activations, activations
 from flatshard.tools.estimate.cli import estimate, main
 from flatshard.tools.estimate.devices import DEVICES, Device
 from flatshard.tools.estimate.memory import MemoryEstimate, Phase, estimate_memory
+from flatshard.tools.estimate.reserved import Reserved, estimate_reserved
 from flatshard.tools.estimate.spec import STRATEGIES, Layout, ModelSpec, Precision, Workload
 from flatshard.tools.estimate.steptime import StepTime, estimate_time
 
@@ -21,11 +22,13 @@ __all__ = [
     "ModelSpec",
     "Phase",
     "Precision",
+    "Reserved",
     "StepTime",
     "Workload",
     "activations",
     "estimate",
     "estimate_memory",
+    "estimate_reserved",
     "estimate_time",
     "main",
 ]

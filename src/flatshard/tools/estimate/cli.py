@@ -12,6 +12,7 @@ from flatshard.tools.estimate.devices import DEVICES
 from flatshard.tools.estimate.memory import estimate_memory
 from flatshard.tools.estimate.pipeline_report import add_options, format_section, section
 from flatshard.tools.estimate.report import GIB, Report, format_table, to_json
+from flatshard.tools.estimate.reserved import RUNTIMES, estimate_reserved
 from flatshard.tools.estimate.spec import STRATEGIES, Layout, ModelSpec, Precision, Workload
 from flatshard.tools.estimate.steptime import estimate_time
 
@@ -113,6 +114,9 @@ def _hardware_options(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--inter-bandwidth-gbps", type=float, help="across nodes, GB/s per rank")
     g.add_argument("--overlap", type=float, help="share of comm hidden (default 0.9; cpu 0.3)")
     g.add_argument("--backend", choices=("nccl", "gloo"), help="default: gloo on cpu")
+    rt_help = ("whose streams the reserved-memory estimate assumes: flatshard's (one pool) or "
+               "torchtitan's FSDP2 (side-stream pools; its published figures)")  # fmt: skip
+    g.add_argument("--runtime", choices=RUNTIMES, default="flatshard", help=rt_help)
 
 
 def _spec(args: argparse.Namespace) -> ModelSpec:
@@ -186,7 +190,11 @@ def estimate(args: argparse.Namespace) -> Report:
         for s in ("full_shard", "shard_grad_op", "no_shard"):
             mins[s] = min_world(spec, dataclasses.replace(layout, strategy=s), work, cap)
     fits = None if cap is None else memory.peak <= cap
-    return Report(spec, layout, work, device, memory, time, fits, mins)
+    # No CUDA caching allocator on the CPU: the reserved estimate is for GPUs only.
+    reserved = None
+    if device.name != "cpu":
+        reserved = estimate_reserved(spec, layout, work, memory, args.runtime)
+    return Report(spec, layout, work, device, memory, time, fits, mins, reserved=reserved)
 
 
 def _measure(args: argparse.Namespace, report: Report) -> dict[str, int]:

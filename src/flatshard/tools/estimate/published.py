@@ -3,9 +3,9 @@ each under the same model of the step (``tests/test_estimate_published.py``, the
 ``docs/estimate.md``).
 
 Throughput is torchtitan's tokens/s per GPU (its ``tps``: a data-parallel rank's tokens over
-its GPUs); memory is its ``max_reserved`` GiB (``torch.cuda.max_memory_reserved``), which the
-estimate's live tensors stay below (the caching allocator's blocks, NCCL's buffers and the
-compiler's workspaces are not modelled): it is reported, and checked as an upper bound.
+its GPUs); memory is its ``max_reserved`` GiB (``torch.cuda.max_memory_reserved``), compared
+with the estimate's reserved memory (``reserved.py``: the replay's live peak plus what the
+caching allocator holds beyond it), never with the live peak itself.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from flatshard.tools.estimate.bubble import bubble_fraction
 from flatshard.tools.estimate.devices import DEVICES
 from flatshard.tools.estimate.memory import estimate_memory
+from flatshard.tools.estimate.reserved import estimate_reserved
 from flatshard.tools.estimate.spec import Layout, ModelSpec, Precision, Workload
 from flatshard.tools.estimate.steptime import estimate_time
 
@@ -61,9 +62,13 @@ class Estimate:
 
     tokens_per_s: float
     peak_gib: float | None
-    """Live tensors at the peak (``None`` under pipeline parallelism: no replay of a stage)."""
+    """Allocated peak: live tensors (``None`` under pipeline parallelism: no replay of a
+    stage)."""
     parts: dict[str, float] = field(default_factory=dict)
     """Step seconds by part: compute, exposed dp, tp and cp communication, bubble."""
+    reserved_gib: float | None = None
+    """Reserved (est.): what ``torch.cuda.max_memory_reserved`` would report, the figure
+    torchtitan publishes (``None`` under pipeline parallelism)."""
 
 
 def estimate_run(run: PublishedRun) -> Estimate:
@@ -73,8 +78,9 @@ def estimate_run(run: PublishedRun) -> Estimate:
     parts = {"compute": t.compute_s, "dp": t.exposed_comm_s, "tp": t.tp_exposed_s,
              "cp": t.cp_exposed_s}  # fmt: skip
     if run.pp == 1:
-        peak = estimate_memory(run.spec, run.layout, run.work).peak / 2**30
-        return Estimate(t.tokens_per_s, peak, parts)
+        mem = estimate_memory(run.spec, run.layout, run.work)
+        reserved = estimate_reserved(run.spec, run.layout, run.work, mem, "torchtitan").total
+        return Estimate(t.tokens_per_s, mem.peak / 2**30, parts, reserved / 2**30)
     # A pp rank runs 1/pp of the blocks for every microbatch, stretched by the bubble
     # (pipeline_report.py's model, the whole local batch's tokens over the pp ranks).
     bubble = bubble_fraction(run.schedule, run.pp, run.microbatches, run.stages_per_rank)
@@ -191,19 +197,24 @@ def markdown_table(rows: tuple[PublishedRun, ...] = PUBLISHED) -> str:
     estimated figures (``tests/test_estimate_published.py`` checks the doc holds it)."""
     lines = [
         "| model, GPUs | axes | settings | source | published tok/s/GPU | estimate | diff "
-        "| published memory (reserved) | estimate (live peak) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| published memory (reserved) | estimate: allocated peak | estimate: reserved (est.) "
+        "| memory diff |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in rows:
         est = estimate_run(run)
         diff = est.tokens_per_s / run.tokens_per_s - 1
         mem = f"{run.memory_gib} GiB" if run.memory_gib else "—"
         live = f"{est.peak_gib:.1f} GiB" if est.peak_gib is not None else "— (pipeline)"
+        res = f"{est.reserved_gib:.1f} GiB" if est.reserved_gib is not None else "—"
+        mdiff = "—"
+        if run.memory_gib and est.reserved_gib is not None:
+            mdiff = f"{est.reserved_gib / run.memory_gib - 1:+.1%}"
         page, _, where = run.source.partition(" ")
         name = page.rsplit("/", 1)[-1]
         lines.append(
             f"| {run.spec.name}, {run.layout.gpus * run.pp} {run.gpu} | {_axes(run)} | "
             f"{_settings(run)} | [{name}]({page}) {where} | {run.tokens_per_s:,g} | "
-            f"{est.tokens_per_s:,.0f} | {diff:+.1%} | {mem} | {live} |"
+            f"{est.tokens_per_s:,.0f} | {diff:+.1%} | {mem} | {live} | {res} | {mdiff} |"
         )
     return "\n".join(lines)

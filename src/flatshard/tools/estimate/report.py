@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from flatshard.tools.estimate.devices import Device
 from flatshard.tools.estimate.memory import MemoryEstimate
+from flatshard.tools.estimate.reserved import Reserved
 from flatshard.tools.estimate.spec import Layout, ModelSpec, Workload
 from flatshard.tools.estimate.steptime import StepTime
 from flatshard.tools.estimate.tp_cost import local_spec, tp_traffic
@@ -22,7 +23,7 @@ COMPONENTS = (  # (key, label, note)
     ("buffers", "buffers", "RoPE tables, replicated"),
     ("gathered_peak", "gathered units", "peak of full buffers at once"),
     ("activations", "activations", "saved at the end of forward"),
-    ("peak", "peak", ""),
+    ("peak", "allocated peak", ""),
 )
 
 
@@ -41,6 +42,9 @@ class Report:
     min_world: dict[str, int | None]
     """Smallest world size at which the peak fits, per strategy (``None``: never)."""
     measured: dict[str, int] | None = None
+    reserved: Reserved | None = None
+    """Estimated ``torch.cuda.max_memory_reserved`` (what torchtitan reports), beside the
+    allocated peak (``reserved.py``)."""
 
 
 def _fmt(n: float, unit: int) -> str:
@@ -130,6 +134,7 @@ def format_table(r: Report) -> str:
     lines.append(row)
     lines.append("  peak breakdown: " + ", ".join(
         f"{k} {_fmt(v, unit)}" for k, v in m.peak_parts.items() if v))  # fmt: skip
+    lines += _reserved_lines(r.reserved, unit)
     lines += ["", *_time_lines(r), "", *_fit_lines(r)]
     return "\n".join(lines)
 
@@ -181,12 +186,28 @@ def _cp_time(r: Report) -> list[str]:
     ]
 
 
+def _reserved_lines(res: Reserved | None, unit: int) -> list[str]:
+    """The reserved estimate, labelled so that it is compared with ``max_memory_reserved``
+    (torchtitan's "memory") and the allocated peak with ``max_memory_allocated``."""
+    if res is None:
+        return []
+    name = "  reserved (est.: torch.cuda.max_memory_reserved)"
+    held = {"FSDP2's held root": res.root_held}
+    within = ", ".join(f"{k.replace('_', ' ')} {_fmt(v, unit)}"
+                       for k, v in (held | res.loss_extra).items() if v)  # fmt: skip
+    parts = [f"{k.replace('_', ' ')} {_fmt(v, unit)}" for k, v in res.parts.items() if v]
+    parts[0] += f" (counting, where they apply: {within})" if within else ""
+    return [f"{name:<52}{_fmt(res.total, unit):>12}",
+            f"  reserved breakdown ({res.runtime}'s streams): " + ", ".join(parts)]  # fmt: skip
+
+
 def _fit_lines(r: Report) -> list[str]:
     cap = r.device.memory_gib
     if cap is None:
         return ["fit: no device memory given (--memory-gib)"]
     verdict = "fits" if r.fits else "does NOT fit"
-    out = [f"fit: peak {r.memory.peak / GIB:,.1f} GiB {verdict} in {cap:g} GiB per rank"]
+    peak = r.memory.peak / GIB
+    out = [f"fit: allocated peak {peak:,.1f} GiB {verdict} in {cap:g} GiB per rank"]
     mins = ", ".join(f"{k} {v if v else 'never'}" for k, v in r.min_world.items())
     if r.layout.tp > 1:
         out.append(f"  smallest data-parallel world that fits (tp {r.layout.tp}, same batch "
@@ -201,7 +222,7 @@ def to_json(r: Report) -> dict:
     m = r.memory
     memory = {key: getattr(m, key) for key, _, _ in COMPONENTS}
     memory |= {"model_states": m.model_states, "peak_phase": m.peak_phase,
-               "peak_parts": m.peak_parts,
+               "peak_parts": m.peak_parts, "peak_kind": "allocated (live tensors)",
                "phases": [{"name": p.name, "total": p.total} for p in m.phases]}  # fmt: skip
     return {
         "model": dataclasses.asdict(r.spec) | {"params": r.spec.params},
@@ -210,12 +231,20 @@ def to_json(r: Report) -> dict:
         "tensor_parallel": _tp_json(r),
         "workload": dataclasses.asdict(r.work),
         "device": dataclasses.asdict(r.device),
-        "memory_bytes": memory,
+        "memory_bytes": memory | _reserved_json(r.reserved),
         "time": dataclasses.asdict(r.time),
         "fits": r.fits,
         "min_world": r.min_world,
         "measured_bytes": r.measured,
     }
+
+
+def _reserved_json(res: Reserved | None) -> dict:
+    if res is None:
+        return {}
+    return {"reserved_est": res.total, "reserved_runtime": res.runtime,
+            "reserved_parts": res.parts | {"root_held": res.root_held} | {
+                f"loss_{k}": v for k, v in res.loss_extra.items()}}  # fmt: skip
 
 
 def _tp_json(r: Report) -> dict:
