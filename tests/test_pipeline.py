@@ -127,27 +127,6 @@ def test_flatshard_stages_match_single_process(results, schedule, microbatches, 
     assert r["holders"] == [0, 2], "the full state dict lives on each dp mesh's first rank"
 
 
-SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-
-
-def test_plain_recipe_refuses_split_backward_on_every_rank(dist_pools):
-    """torchtitan's recipe (sharded stages, ``schedule.step()`` without fs.pipeline_step): a
-    split-backward schedule would train wrong, so every rank raises at its first
-    ``optimizer.step()`` (after the step's communication completed: no rank is left waiting),
-    naming fs.pipeline_step; a full-backward schedule stays exact."""
-    names = (*SPLIT_BACKWARD, "1F1B")
-    specs = [dict(schedule=s, microbatches=4, engine="flatshard_plain", optim="sgd") for s in names]
-    outs = dist_pools(4).run(case_schedules, specs, timeout=JOB_TIMEOUT_S + 10 * len(specs))
-    for i, spec in enumerate(specs):
-        per_rank = [o[i] for o in outs]
-        if spec["schedule"] in SPLIT_BACKWARD:
-            for rank, r in enumerate(per_rank):
-                error = r.get("error", "")
-                assert error.startswith("ValueError") and "fs.pipeline_step" in error, (rank, r)
-        else:
-            _check_exact(merge({**spec, "per_rank": 1}, per_rank))
-
-
 @pytest.mark.parametrize(ARGS, CASES)
 def test_one_reduce_scatter_per_unit_per_step(results, schedule, microbatches, per_rank):
     """fs.pipeline_step keeps the flat gradients over the microbatches and reduces once."""

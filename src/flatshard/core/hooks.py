@@ -53,7 +53,7 @@ from flatshard.core.unit_views import call_done, make_views, queue_final_callbac
 from flatshard.features import lazy_root, members, recompute, saved_views
 from flatshard.features.compile_boundary import register_plain_keys, register_settling, untraced
 from flatshard.features.recompute import Call, CallKind
-from flatshard.parallel.plain_schedule import mark_if_plain_split_schedule
+from flatshard.parallel.plain_schedule import adopt_plain_schedule
 from flatshard.precision import MixedPrecision, cast_floating
 
 
@@ -135,7 +135,7 @@ def _first_step_checks(state: ShardedState, unit: Unit, module, entry: Entry) ->
     if unit.forward_depth == 0 and not unit.forward_pass.started:
         _check_fragments_in_place(unit)
         if state.mode is not StateMode.PIPELINE:  # a stage's root may hold no unit: every unit
-            mark_if_plain_split_schedule(state.root)  # see parallel/plain_schedule.py
+            adopt_plain_schedule(state.root)  # see parallel/plain_schedule.py
     if entry is not Entry.TAIL:
         state.observe_member(unit, unit.member_position(module))
 

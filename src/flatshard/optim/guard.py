@@ -22,7 +22,7 @@ import torch
 from torch.optim.optimizer import Optimizer, register_optimizer_step_pre_hook
 
 from flatshard.core.params import full_shape, is_fragment
-from flatshard.parallel.plain_schedule import refuse_plain_split_schedule
+from flatshard.parallel.plain_schedule import refuse_plain_schedule
 
 CHECKED = "_flatshard_checked"
 
@@ -73,7 +73,7 @@ def _check_first_step(optimizer: Optimizer, args, kwargs) -> None:
                 f"{WHOLE_PARAMETER[name]}. {instead}."
             )
         _check_weight_decay_groups(groups)
-        refuse_plain_split_schedule([p for g in groups for p in g["params"]])
+        refuse_plain_schedule([p for g in groups for p in g["params"]])
     setattr(optimizer, CHECKED, True)
 
 

@@ -11,6 +11,12 @@ flatshard modules get the same from one call around the step::
         schedule.step(x, target=y)
     optimizer.step()
 
+The block is the explicit form: a plain ``schedule.step()`` is exact too, at the same one
+reduction per unit per step, for every schedule torch 2.13 ships (torchtitan's recipe; see
+[Note: a schedule stepped plainly] in ``plain_pipeline.py``). Only the block sums parameters
+tied across stages or runs a schedule flatshard cannot follow (custom actions, an overridden
+step), and only it checks the pp ranks agree before the first step.
+
 Inside the block every backward keeps the units' flat gradients (as ``fs.no_sync`` does);
 leaving the block reduces every unit once, over its own mesh, and assigns ``.grad``. torch
 divides the gradients by the microbatches (``scale_grads=True``) at its last backward, before
@@ -45,6 +51,7 @@ from contextlib import contextmanager
 from flatshard.core.state import ShardedState, StateMode, get_state
 from flatshard.parallel.pipeline_checks import check_schedule, schedule_stages
 from flatshard.parallel.pipeline_tied import TIES_ATTR
+from flatshard.parallel.plain_pipeline import finish_step, install, reduces_once_per_stage
 from flatshard.parallel.plain_schedule import clear_marks
 
 
@@ -68,7 +75,11 @@ def pipeline_step(schedule) -> Iterator[None]:
             )
     for state in states:
         state.mode = StateMode.PIPELINE
-        clear_marks(state.root)  # a plain call of a split schedule came before (plain_schedule.py)
+        clear_marks(state.root)  # a refused plain call came before (plain_schedule.py)
+    # A later plain step() is exact too (plain_pipeline.py); not with ties, which it refuses.
+    if getattr(schedule, TIES_ATTR, None) is None and reduces_once_per_stage(schedule):
+        for stage in stages:
+            install(stage)
     try:
         yield
     except BaseException:
@@ -78,23 +89,10 @@ def pipeline_step(schedule) -> Iterator[None]:
                 unit.reset_grad_state()
         raise
     for state in states:
-        state.mode = StateMode.TRAIN
-        _scale_kept_grads(state, scale)
-        state.finish_backward()  # reduce each unit once, wait, agree on usage, assign .grad
+        finish_step(state, scale)  # reduce each unit once, wait, agree on usage, assign .grad
     ties = getattr(schedule, TIES_ATTR, None)
     if ties is not None:  # after every stage's .grad is assigned: sum the tied copies
         ties.sum_gradients()
-
-
-def _scale_kept_grads(state: ShardedState, scale: float) -> None:
-    """torch's schedule divides ``p.grad`` by the microbatches at its last backward, before
-    flatshard has assigned any: the kept flat gradients get that division instead."""
-    if scale == 1.0:
-        return
-    for unit in state.units:
-        for flat in unit.grad.flat_grads:
-            if flat is not None:
-                flat.mul_(scale)
 
 
 def _stage_states(schedule, stages: list) -> tuple[list[ShardedState], float]:

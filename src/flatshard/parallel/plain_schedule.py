@@ -1,23 +1,24 @@
-"""A split-backward pipeline schedule called plainly: refused on every rank, before any update.
+"""A schedule's plain ``step()`` on sharded stages: adopted (exact) or refused on every rank.
 
 [Note: a schedule called without fs.pipeline_step]
-torchtitan's recipe shards each stage and calls ``schedule.step()`` plainly. With flatshard
-that is exact for the schedules whose backward is one pass per microbatch (GPipe, 1F1B,
-Interleaved1F1B, LoopedBFS), at one reduce-scatter per unit per microbatch. The split-backward
-schedules (``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``)
-run each backward as an input pass and a later weight pass; called plainly, a unit reduces
-after the input pass, before the weight pass adds its parameters' gradients, and the model
-trains away from one process with no error. Only ``with fs.pipeline_step(schedule):`` makes
-them exact (the reduction waits for the end of the step).
+torchtitan's recipe shards each stage and calls ``schedule.step()`` plainly. Each unit's first
+forward of a pass, in the first step only (no per-step cost; a middle stage's root may hold no
+unit, so every unit asks), looks up the call stack for a schedule's ``step``. If it finds one:
 
-Raising where it is seen (a stage's first forward inside the schedule) would leave the other
-pp ranks blocked in a receive. So each unit's first forward of a pass, in the first step only
-(no per-step cost; a middle stage's root may hold no unit), looks up the call stack for a
-schedule's ``step``; if the schedule splits its
-backward and no ``fs.pipeline_step`` is active, every fragment of the stage is marked. The step
-finishes on every rank (its communication is complete), and the optimizer guard
-(``optim/guard.py``) raises at the first ``optimizer.step()`` on every rank holding a marked
-fragment: every pp rank holds a stage, so every rank raises, and no wrong update is applied.
+* a schedule known to call ``perform_reduce_grad`` once per stage (every schedule torch 2.13
+  ships, run by torch's own step) is adopted: the stage runs as under ``fs.pipeline_step``,
+  exact at one reduce-scatter per unit per step (see [Note: a schedule stepped plainly] in
+  ``plain_pipeline.py``);
+* otherwise a full-backward schedule keeps the plain behaviour (exact, one reduce-scatter per
+  unit per microbatch), while a split-backward one (an input pass, then a weight pass: a unit
+  would reduce after the input pass and miss the weight pass's gradients) is refused, and so
+  is any schedule with ``fs.tie_across_stages`` (only ``fs.pipeline_step`` sums the ties).
+
+Raising where it is seen (a stage's forward) would leave the other pp ranks blocked in a
+receive. So a refused stage's fragments are marked with the reason; the step finishes on every
+rank (its communication is complete), and the optimizer guard (``optim/guard.py``) raises at
+the first ``optimizer.step()`` on every rank holding a marked fragment: every pp rank holds a
+stage, so every rank raises, and no wrong update is applied.
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ from typing import Any
 
 import torch
 
-PLAIN_SCHEDULE_ATTR = "_flatshard_plain_split_schedule"  # on a fragment: the schedule's name
+from flatshard.parallel.pipeline_tied import TIES_ATTR
+from flatshard.parallel.plain_pipeline import adopt
+
+PLAIN_SCHEDULE_ATTR = "_flatshard_plain_schedule_refused"  # on a fragment: why it was refused
 SPLIT_ACTIONS = ("BACKWARD_INPUT", "BACKWARD_WEIGHT")
 MAX_FRAMES = 64  # a schedule's step is a few frames above a stage's forward
 
@@ -64,18 +68,38 @@ def splits_backward(schedule: Any) -> bool:
     return False
 
 
-def mark_if_plain_split_schedule(root: torch.nn.Module) -> None:
-    """Mark ``root``'s fragments when a split-backward schedule runs it without
-    ``fs.pipeline_step`` (see the Note); called by a stage's first forward outside that mode."""
+def adopt_plain_schedule(root: torch.nn.Module) -> None:
+    """A stage's first forward outside ``fs.pipeline_step`` (see the Note): adopt the
+    schedule running ``root`` plainly, or mark ``root``'s fragments when it is refused."""
     first = next(root.parameters(), None)
     if first is None or hasattr(first, PLAIN_SCHEDULE_ATTR):
         return  # nothing to mark, or marked by an earlier unit of this stage
     schedule = schedule_in_stack()
-    if schedule is None or not splits_backward(schedule):
+    if schedule is None:
         return
-    name = type(schedule).__name__
-    for param in root.parameters():
-        setattr(param, PLAIN_SCHEDULE_ATTR, name)
+    reason = refusal(schedule)
+    if reason is None and adopt(schedule, root):
+        return
+    if reason is None and splits_backward(schedule):
+        reason = (
+            f"{type(schedule).__name__} splits each backward into an input pass and a weight "
+            "pass, and flatshard cannot tell when this schedule's step ends (it overrides the "
+            "step, registers custom action functions or has no REDUCE_GRAD per stage), so a "
+            "unit reduced after the input pass and missed the weight pass's gradients"
+        )
+    if reason is not None:
+        for param in root.parameters():
+            setattr(param, PLAIN_SCHEDULE_ATTR, reason)
+
+
+def refusal(schedule: Any) -> str | None:
+    """Why a plain ``step()`` of ``schedule`` cannot be exact whatever the schedule, if so."""
+    if getattr(schedule, TIES_ATTR, None) is not None:
+        return (
+            f"{type(schedule).__name__} has parameters tied across stages "
+            "(fs.tie_across_stages), which only fs.pipeline_step sums"
+        )
+    return None
 
 
 def clear_marks(root: torch.nn.Module) -> None:
@@ -85,17 +109,15 @@ def clear_marks(root: torch.nn.Module) -> None:
             delattr(param, PLAIN_SCHEDULE_ATTR)
 
 
-def refuse_plain_split_schedule(params: list[torch.Tensor]) -> None:
+def refuse_plain_schedule(params: list[torch.Tensor]) -> None:
     """``ValueError`` (the optimizer guard's first step) if any of ``params`` was trained by a
-    split-backward schedule called without ``fs.pipeline_step``."""
+    schedule called without ``fs.pipeline_step`` that could not be exact (see the Note)."""
     marked = (getattr(p, PLAIN_SCHEDULE_ATTR) for p in params if hasattr(p, PLAIN_SCHEDULE_ATTR))
-    name = next(marked, None)
-    if name is None:
+    reason = next(marked, None)
+    if reason is None:
         return
     raise ValueError(
-        f"{name} ran sharded stages without fs.pipeline_step: it splits each backward into an "
-        "input pass and a weight pass, and a unit reduced after the input pass misses the weight "
-        "pass's gradients, so this step's gradients are wrong (nothing was updated). Call it as "
-        "`with fs.pipeline_step(schedule): schedule.step(...)`, or use a schedule with a full "
-        "backward (Schedule1F1B, ScheduleInterleaved1F1B, ScheduleGPipe, ScheduleLoopedBFS)"
+        f"a pipeline schedule ran sharded stages without fs.pipeline_step: {reason}; so this "
+        "step's gradients are wrong (nothing was updated). Call it as "
+        "`with fs.pipeline_step(schedule): schedule.step(...)`"
     )
