@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 _WHERE = {
     "no_sync": "accumulate",
     "checkpoint_activations": "features.activation_checkpoint",
+    "precompute_float8_scales": "features.float8_scales",
     "ShardingStrategy": "api",
     "shard": "api",
     "unshard": "core.teardown",
@@ -82,6 +83,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
     from flatshard.core.params import FragmentInfo, fragment_info, full_shape
     from flatshard.core.teardown import unshard
     from flatshard.features.activation_checkpoint import checkpoint_activations
+    from flatshard.features.float8_scales import precompute_float8_scales
     from flatshard.introspect import (
         MemoryStats,
         UnitInfo,
@@ -146,6 +148,7 @@ __all__ = [
     "no_sync",
     "optim",
     "pipeline_step",
+    "precompute_float8_scales",
     "register_method",
     "save",
     "save_pretrained",

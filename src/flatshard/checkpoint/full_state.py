@@ -185,6 +185,11 @@ def summon_full_params(
     state = get_state(model)
     if state.mode is StateMode.SUMMONED:
         raise ValueError("summon_full_params is already active for this model; do not nest it")
+    if any(u.float8_groups for u in state.units):  # see [Note: float8 all-gather]
+        raise NotImplementedError(
+            "summon_full_params does not support torchao's float8 all-gather weights (they are "
+            "gathered in float8); read the full weights with fs.full_state_dict(model)"
+        )
     holds_full = not rank0_only or state.topology.is_mesh_first
     with torch.no_grad():
         for unit in state.units:

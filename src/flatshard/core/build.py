@@ -21,6 +21,7 @@ from flatshard.core.switches import Switches
 from flatshard.core.unit import Unit, UnitRole
 from flatshard.features import root_split
 from flatshard.features.buckets import merge_buckets, plan_for
+from flatshard.features.float8 import float8_dtype_of, keep_private
 from flatshard.features.root_split import tail_parameters
 from flatshard.parallel.tensor import spec_of
 from flatshard.parallel.unit_mesh import unit_topology
@@ -51,6 +52,7 @@ def build_state(
         coalesce=options.coalesce,
         root=model,
     )
+    keep_private(units)  # float8 groups: see [Note: float8 all-gather]
     check_nothing_on_meta(model)
     _place_buffers(model, topology, options.mixed_precision)
     return state
@@ -134,6 +136,9 @@ def _build_units(
         # backward needs it (see [Note: the lazy root]); the tail is the root as before.
         lazy = len(parts) == 2 and reshards_after_forward(options.strategy)
         lazy = lazy and root_split.worth_lazy(parts[0])
+        # Never with float8 weights: their saved Float8TrainingTensors would read a released
+        # buffer ([Note: float8 all-gather]).
+        lazy = lazy and not any(float8_dtype_of(p) is not None for p in parts[0])
         own = _own_topology(model, module, plan, topology, options, own_meshes)
         for i, members in enumerate(parts or [params]):
             unit = Unit(

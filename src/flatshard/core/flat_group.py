@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from flatshard.core.layout import FlatLayout, align_elements
+from flatshard.features.float8 import float8_group, float8_views
 from flatshard.features.gather_pool import GatheredBytes, GatherPool
 from flatshard.offload import CPUOffload, pin_if_useful, storage_device
 from flatshard.parallel.tensor import TPSpec, local_of, spec_of
@@ -65,6 +66,10 @@ class FlatGroup:
         params = [local_of(p) for p in params]
         self.dtype = params[0].dtype  # of the shard: what the optimizer steps on
         self.compute_dtype = compute_dtype(self.dtype, mixed_precision)  # of the full buffer
+        # torchao float8 weights gather as float8 bytes (see [Note: float8 all-gather]).
+        self.float8 = float8_group(params, self.compute_dtype)
+        if self.float8 is not None:
+            self.compute_dtype = torch.uint8
         self.reduce_dtype = reduce_dtype(self.dtype, mixed_precision)  # of the communication
         self.device = device  # where the gathered buffer lives and compute happens
         self.offloaded = offload is not None and offload.params
@@ -174,6 +179,8 @@ class FlatGroup:
         """Full-shape views of ``full``, one per parameter (no autograd edge): fresh tensor
         objects each call (autograd attaches a ``grad_fn`` to what ``UnitViews`` returns), as
         aliases of views built once per buffer (an alias costs a sixth of a slice + view)."""
+        if self.float8 is not None:
+            return float8_views(self)
         if self._views_of is not self.full:
             data = self.full.data
             self._views = [data[s.offset : s.offset + s.numel].view(s.shape) for s in self.specs]

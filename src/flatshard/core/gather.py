@@ -19,6 +19,7 @@ from flatshard.comm.collectives import CommStats, PendingWork, all_gather_into
 from flatshard.core.flat_group import FlatGroup
 from flatshard.core.mesh import Topology
 from flatshard.core.streams import on_side_stream
+from flatshard.features import float8
 
 
 def start_gather(group: FlatGroup, topo: Topology, stats: CommStats, label: str) -> PendingWork:
@@ -40,6 +41,9 @@ def _gather_one(group: FlatGroup, topo: Topology, stats: CommStats, label: str) 
 def write_send_shard(group: FlatGroup, dest: torch.Tensor, stats: CommStats) -> None:
     """Write ``group``'s shard as a gather sends it into ``dest`` (one copy, casting to the
     compute dtype and moving an offloaded shard to the device on the way)."""
+    if group.float8 is not None:  # quantized (see [Note: float8 all-gather])
+        float8.write_send_shard(group, dest)
+        return
     if group.offloaded:
         stats.record("offload_h2d", group.shard)
     dest.copy_(group.shard, non_blocking=group.offloaded)
@@ -47,6 +51,8 @@ def write_send_shard(group: FlatGroup, dest: torch.Tensor, stats: CommStats) -> 
 
 def send_shard(group: FlatGroup, stats: CommStats) -> torch.Tensor:
     """``group``'s shard as a gather sends it: on the device, in the compute dtype."""
+    if group.float8 is not None:  # quantized (see [Note: float8 all-gather])
+        return float8.send_shard(group)
     send = group.shard
     if group.offloaded:  # to the device (a no-op copy on a CPU-only run)
         stats.record("offload_h2d", send)

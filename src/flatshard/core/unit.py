@@ -31,6 +31,7 @@ from flatshard.core.reduce import (
     reduces_pieces,
     zeros_flat_grad,
 )
+from flatshard.features.float8 import float8_dtype_of, set_scales
 from flatshard.offload import CPUOffload
 from flatshard.parallel.tensor import wrap_views
 from flatshard.precision import MixedPrecision
@@ -127,6 +128,7 @@ class Unit:
         self._build_groups(params, slots_by_param, mixed_precision, offload)
         self.trainable_groups = [i for i, g in enumerate(self.groups) if g.requires_grad]
         self.has_tp = any(g.has_tp for g in self.groups)
+        self.float8_groups = [g for g in self.groups if g.float8 is not None]
         # Extra inputs of ``UnitViews`` inside fs.pipeline_step ([Note: fragments in the graph]).
         self.trainable_fragments = [
             s.fragment for gi in self.trainable_groups for s in self.groups[gi].specs
@@ -241,6 +243,8 @@ class Unit:
         if self.state is not ParamState.SHARDED:
             return
         topo, stats = self.topology, self.stats
+        if self.float8_groups:  # one amax all-reduce per unit (see [Note: float8 all-gather])
+            set_scales(self.float8_groups, topo, stats)
         self.mark_gathering([start_gather(g, topo, stats, g.label) for g in self.groups])
 
     def mark_gathering(self, works: list[PendingWork]) -> None:
@@ -328,8 +332,9 @@ class Unit:
 
 
 def _group_by_kind(params: list[nn.Parameter]) -> dict[tuple, list[nn.Parameter]]:
-    """Split a unit's parameters by (dtype, requires_grad), keeping their order."""
+    """Split a unit's parameters by (dtype, requires_grad, float8 all-gather dtype), keeping
+    their order (torchao's float8 weights form groups of their own: [Note: float8 all-gather])."""
     kinds: dict[tuple, list[nn.Parameter]] = {}
     for p in params:
-        kinds.setdefault((p.dtype, p.requires_grad), []).append(p)
+        kinds.setdefault((p.dtype, p.requires_grad, float8_dtype_of(p)), []).append(p)
     return kinds

@@ -1,0 +1,183 @@
+"""Cases of tests/test_float8.py, run on every rank of a Gloo pool (``dist_pool.py``).
+
+A tiny model whose linears torchao converts to ``Float8Linear`` (emulated on the CPU, float8
+all-gather on) trains a few SGD steps under ``fs.shard`` and under torch's
+``DistributedDataParallel`` from the same init on the same per-rank micro-batches (float8
+scales each rank's activations by its own micro-batch, so the reference is per-rank gradients
+averaged). Every rank compares its fragments with the same slice of DDP's parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import flatshard as fs
+from flatshard.core.state import get_state
+
+STEPS = 3
+LR = 0.5
+
+
+def plain_model(layout: str = "blocks") -> nn.Module:
+    """``blocks``: every linear a unit of its own. ``root``: the first and last linears belong
+    to the root (split into the lazy root and its tail), the middle one is a unit."""
+    torch.manual_seed(0)  # every rank the same weights
+    middle = [nn.Linear(48, 48, bias=False), nn.GELU()]
+    if layout == "root":
+        middle = [nn.Sequential(*middle)]
+    return nn.Sequential(
+        nn.LayerNorm(32), nn.Linear(32, 48), nn.GELU(), *middle, nn.Linear(48, 16)
+    )  # fmt: skip
+
+
+def float8_model(all_gather: bool = True, layout: str = "blocks") -> nn.Module:
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig(emulate=True, enable_fsdp_float8_all_gather=all_gather)
+    return convert_to_float8_training(plain_model(layout), config=config)
+
+
+def shard_float8(mp: str = "fp32", layout: str = "blocks", coalesce: bool = True) -> nn.Module:
+    from flatshard.features import root_split
+
+    mixed = fs.MixedPrecision(param_dtype=torch.bfloat16) if mp == "bf16" else None
+    policy = fs.wrap.by_type(nn.Linear if layout == "blocks" else nn.Sequential)
+    kept = root_split.LAZY_MIN_BYTES
+    root_split.LAZY_MIN_BYTES = 0  # the root would be lazy at any size
+    try:
+        model = float8_model(True, layout)
+        return fs.shard(model, policy=policy, mixed_precision=mixed, coalesce=coalesce)
+    finally:
+        root_split.LAZY_MIN_BYTES = kept
+
+
+def batch(step: int, rank: int | None = None) -> torch.Tensor:
+    """This rank's micro-batch of ``step``: different on every rank."""
+    rank = dist.get_rank() if rank is None else rank
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(8, 32, generator=g) * 3.0
+
+
+def train(
+    model: nn.Module, bf16: bool = False, steps: int = STEPS, precompute: bool = False
+) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(steps):
+        x = batch(step)
+        out = model(x.bfloat16() if bf16 else x)
+        out.float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if precompute:
+            fs.precompute_float8_scales(model)
+
+
+def ddp_reference(steps: int = STEPS, layout: str = "blocks") -> dict[str, torch.Tensor]:
+    """DDP over the same float8 model: the full fp32 parameters after ``steps`` steps."""
+    model = nn.parallel.DistributedDataParallel(float8_model(True, layout))
+    train(model, steps=steps)
+    return {n.removeprefix("module."): p.detach().clone() for n, p in model.named_parameters()}
+
+
+def fragment_errors(model: nn.Module, reference: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Max |fragment - reference slice| per parameter, on this rank (white-box: the ranges)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for unit in get_state(model).units:
+        for group in unit.groups:
+            for spec in group.specs:
+                start, end = group.fragment_range(spec)
+                ref = reference[names[id(spec.fragment)]].reshape(-1)[start:end]
+                out[names[id(spec.fragment)]] = (
+                    (spec.fragment.detach() - ref).abs().max().item() if end > start else 0.0
+                )
+    return out
+
+
+def parity(
+    mp: str, precompute: bool = False, layout: str = "blocks", coalesce: bool = True
+) -> dict:
+    """Every rank: its fragments' errors against DDP after ``STEPS`` steps, and the kinds of
+    flat groups (compute dtype, float8?) the model was built with."""
+    reference = ddp_reference(layout=layout)
+    model = shard_float8(mp, layout, coalesce)
+    train(model, bf16=mp == "bf16", precompute=precompute)
+    kinds = [
+        (str(g.compute_dtype), g.float8 is not None)
+        for u in get_state(model).units
+        for g in u.groups
+    ]
+    roles = [u.role.value for u in get_state(model).units if u.float8_groups]
+    merged = [u.merged for u in get_state(model).units if u.float8_groups]
+    errors = fragment_errors(model, reference)
+    return {"errors": errors, "kinds": kinds, "roles": roles, "merged": merged}
+
+
+def linears_only(all_gather: bool) -> nn.Module:
+    """Three float8 linears and nothing else: every gathered element is a float8 weight's."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(32, 32, bias=False) for _ in range(3)))
+    config = Float8LinearConfig(emulate=True, enable_fsdp_float8_all_gather=all_gather)
+    model = convert_to_float8_training(model, config=config)
+    return fs.shard(model, policy=fs.wrap.by_type(nn.Linear))
+
+
+def gather_bytes(all_gather: bool) -> dict:
+    """Bytes per gathered element, and amax all-reduces, over one step, then (float8 scales
+    precomputed after the step) over the next one."""
+    model = linears_only(all_gather)
+    shard_numel = {g.shard_numel for u in get_state(model).units for g in u.groups}
+    (numel,) = shard_numel  # every unit the same size
+    out = {}
+    for phase in ("dynamic", "precomputed"):
+        fs.comm_stats(model, reset=True)
+        train(model, steps=1, precompute=phase == "dynamic" and all_gather)
+        stats = fs.comm_stats(model)
+        per_element = stats.bytes["all_gather"] / (stats.calls["all_gather"] * numel)
+        out[phase] = {
+            "per_element": per_element,
+            "gathers": stats.calls["all_gather"],
+            "amax": stats.calls.get("float8_amax", 0),
+        }
+    return out
+
+
+def checkpoints(tmp: str) -> dict:
+    """After training: the full state dict (rank 0) against DDP's fp32 weights and loaded into
+    the unconverted model; ``fs.save``/``fs.load`` into a fresh float8 model, which gathers
+    in float8 and matches; an exported safetensors file holds the fp32 weights."""
+    reference = ddp_reference()
+    model = shard_float8()
+    train(model)
+    full = fs.full_state_dict(model)
+    out: dict = {"full_err": None}
+    if dist.get_rank() == 0:
+        plain = plain_model()
+        plain.load_state_dict(full, strict=True)  # the unconverted model takes it
+        out["full_err"] = max((full[k] - v).abs().max().item() for k, v in reference.items())
+        out["full_dtypes"] = sorted({str(v.dtype) for v in full.values()})
+    try:
+        with fs.summon_full_params(model):
+            out["summon"] = "entered"
+    except NotImplementedError as err:
+        out["summon"] = str(err)
+    fs.save(f"{tmp}/ckpt", model=model).wait()
+    exported = fs.export_safetensors(model, f"{tmp}/model.safetensors")
+    if exported is not None:
+        from safetensors.torch import load_file
+
+        weights = load_file(str(exported))
+        out["export_err"] = max((weights[k] - v).abs().max().item() for k, v in reference.items())
+    loaded = shard_float8()
+    fs.load(f"{tmp}/ckpt", model=loaded)
+    out["load_errors"] = fragment_errors(loaded, reference)
+    fs.comm_stats(loaded, reset=True)
+    train(loaded, steps=1)
+    stats = fs.comm_stats(loaded)
+    out["loaded_amax_calls"] = stats.calls.get("float8_amax", 0)
+    out["kinds"] = [g.float8 is not None for u in get_state(loaded).units for g in u.groups]
+    return out
