@@ -128,12 +128,13 @@ def linears_only(all_gather: bool) -> nn.Module:
 
 def gather_bytes(all_gather: bool) -> dict:
     """Bytes per gathered element, and amax all-reduces, over one step, then (float8 scales
-    precomputed after the step) over the next one."""
+    precomputed after the step) over the next one, then over a third (that step's
+    ``opt.step()`` forgot them: computed again, never stale)."""
     model = linears_only(all_gather)
     shard_numel = {g.shard_numel for u in get_state(model).units for g in u.groups}
     (numel,) = shard_numel  # every unit the same size
     out = {}
-    for phase in ("dynamic", "precomputed"):
+    for phase in ("dynamic", "precomputed", "after a step"):
         fs.comm_stats(model, reset=True)
         train(model, steps=1, precompute=phase == "dynamic" and all_gather)
         stats = fs.comm_stats(model)

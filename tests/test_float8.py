@@ -56,6 +56,7 @@ def test_float8_weights_gather_one_byte_per_element(dist_pools, world):
         # one amax all-reduce per unit gather, and one for fs.precompute_float8_scales
         assert dynamic["amax"] == dynamic["gathers"] + 1, (rank, r)
         assert precomputed["amax"] == 0, (rank, r)
+        assert r["after a step"]["amax"] == r["after a step"]["gathers"], (rank, r)
     for rank, r in enumerate(pool.run(gather_bytes, False)):  # the option off: fp32 on the wire
         assert r["dynamic"]["per_element"] == 4.0 and r["dynamic"]["amax"] == 0, (rank, r)
 

@@ -15,14 +15,19 @@ from torch import nn
 from flatshard.core.state import get_state
 from flatshard.features.float8 import global_amax, require_torchao, to_scales
 
+_STALE_HOOK: list = []  # the optimizer-step hook, registered once (see _forget_after_steps)
+
 
 @torch.no_grad()
 def precompute_float8_scales(model: nn.Module) -> None:
     """After ``opt.step()``: each float8 weight's scale from its global amax, left on its
     fragment as torchao's ``_precomputed_scale`` so that the next gathers skip the per-unit
     amax all-reduce (one all-reduce per shard group of the model). Every rank must call it.
-    A weight changed later (another step, a load) needs it again, as with torchao on FSDP2."""
+    The scales hold until the next ``optimizer.step()`` of any optimizer over those fragments:
+    the step forgets them (the gathers then all-reduce their amax again, every rank alike), so
+    a scale is never stale after a step. After ``fs.load``, call it again."""
     require_torchao("fs.precompute_float8_scales")
+    _forget_after_steps()
     state = get_state(model)
     by_group: dict[int, tuple[Any, list]] = {}
     for unit in state.units:
@@ -35,3 +40,20 @@ def precompute_float8_scales(model: nn.Module) -> None:
         scales = to_scales(amax, [d for _, d in items])
         for (fragment, _), scale in zip(items, scales, strict=True):
             fragment._precomputed_scale = scale
+
+
+def _forget(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if getattr(p, "_precomputed_scale", None) is not None:
+                p._precomputed_scale = None
+
+
+def _forget_after_steps() -> None:
+    """Once per process: every optimizer step drops the precomputed scales of the fragments
+    it stepped (a scale from before the step would quantize the new weights with the old
+    amax: saturated values, silently). Every rank steps, so every rank forgets alike."""
+    if not _STALE_HOOK:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _STALE_HOOK.append(register_optimizer_step_post_hook(_forget))
