@@ -22,7 +22,7 @@ exactly as flatshard's own collectives are. An op it does not carry raises, nami
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -32,6 +32,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN,
                "max": dist.ReduceOp.MAX, "product": dist.ReduceOp.PRODUCT}  # fmt: skip
+
+
+# Set by ``stream_access`` (which imports this module, not the reverse): records a result as a
+# fresh allocation on the current virtual stream while a session is open.
+record_fresh: Callable[[torch.Tensor, str], None] | None = None
 
 
 def handles(func) -> bool:
@@ -77,11 +82,9 @@ def _group(group_name) -> dist.ProcessGroup:
 
 def _fresh(like: torch.Tensor, shape: list[int], op: str) -> torch.Tensor:
     """A result, allocated on the current stream (as the C++ kernel allocates it)."""
-    from flatshard.testing import stream_access  # (it hands the ops here: no import circle)
-
     out = like.new_empty(shape)
-    if stream_access.WORLD.active:
-        stream_access.allocated(out.untyped_storage(), op, stream_access.caller_site())
+    if record_fresh is not None:
+        record_fresh(out, op)
     return out
 
 

@@ -359,6 +359,11 @@ def _free_site() -> str:
     return _site()
 
 
-def caller_site() -> str:
-    """flatshard's line (or the caller's outside torch) for an access made on its behalf."""
-    return _site()
+def _record_fresh(tensor: torch.Tensor, op: str) -> None:
+    """A functional collective's result: allocated on the current stream (its C++ kernel
+    allocates it there), while a session is open."""
+    if WORLD.active:
+        allocated(tensor.untyped_storage(), op, _site())
+
+
+functional_collectives.record_fresh = _record_fresh
