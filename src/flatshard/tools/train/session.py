@@ -360,6 +360,16 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
+def _on_any_rank(flag: bool) -> bool:
+    """True everywhere if true on any rank. torchrun counts a restart only on the node whose
+    worker failed; the other nodes' agents restart theirs for the "membership change" with
+    ``TORCHELASTIC_RESTART_COUNT`` unchanged (seen: 1 on one node, 0 on the other), and rank 0,
+    which decides whether to resume, may be on either."""
+    flags: list[Any] = [None] * dist.get_world_size()  # world: a tool
+    dist.all_gather_object(flags, flag)
+    return any(flags)
+
+
 def worker_main(cfg: TrainConfig, resume: bool) -> dict[str, Any] | None:
     """Entry point of every worker process. A user error (bad config, data or checkpoint)
     exits with status 2 and its one-line message; anything else with 1 and its traceback.
@@ -372,7 +382,7 @@ def worker_main(cfg: TrainConfig, resume: bool) -> dict[str, Any] | None:
         env = init_distributed(p.backend, p.timeout_s, p.tp, p.pp, p.cp)
         rank = str(env.rank)
         try:
-            return run_worker(cfg, env, resume)
+            return run_worker(cfg, env, _on_any_rank(resume))
         finally:
             end_process_group()  # see [Note: the exit abort]
     except USER_ERRORS as e:
