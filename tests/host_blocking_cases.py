@@ -48,6 +48,7 @@ class Config:
     coalesce: bool = True
     optimizer: str = "adamw"  # "muon" (+ AdamW for the rest), "adafactor"
     clip: str = ""  # "clip": fs.clip_grad_norm_; "nonfinite": with error_if_nonfinite=True
+    compiled: bool = False  # every block's forward compiled (aot_eager, fullgraph)
     # the reasons counted apart in every steady step (a substring of each), as often as listed
     expect: tuple[str, ...] = field(default_factory=tuple)
     # reasons counted apart that may show any number of times (the model's own reads)
@@ -85,7 +86,28 @@ def _parity_case(c: Config):
     model = fs.shard(case.build(), **_shard_kwargs(c, case))
     if c.recompute:
         fs.checkpoint_activations(model, case.policy())
+    if c.compiled:
+        _compile_block_forwards(model)
     return model, case.loss
+
+
+def _compile_block_forwards(model: nn.Module) -> None:
+    """Each block's ``forward`` compiled (aot_eager, fullgraph), run with the virtual device's
+    function mode popped: Dynamo would trace that mode and guard on its tag table, recompiling
+    every call. flatshard's hooks run around the compiled forward, under the mode, as in eager
+    (inside a compiled graph there is no flatshard code: its hooks are untraced)."""
+    from torch.overrides import _pop_mode_temporarily
+
+    from parity_models import Block
+
+    for block in [m for m in model.modules() if isinstance(m, Block)]:
+        compiled = torch.compile(block.forward, backend="aot_eager", fullgraph=True)
+
+        def forward(*args, _compiled=compiled, **kwargs):
+            with _pop_mode_temporarily():
+                return _compiled(*args, **kwargs)
+
+        block.forward = forward
 
 
 def _moe_ep(c: Config):

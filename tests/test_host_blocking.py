@@ -59,6 +59,7 @@ CONFIGS = [
     Config("MoE expert parallel", world=4, model="moe_ep", clip="clip", allow=(MODEL,)),
     Config("pipeline 1F1B", world=4, model="pp", clip="clip"),
     Config("tensor parallel", world=4, model="tp", clip="clip"),
+    Config("compiled blocks", compiled=True),
 ]  # fmt: skip
 WORLDS = sorted({c.world for c in CONFIGS})
 
