@@ -64,6 +64,30 @@ SCRIPTS = {
     ),
     "bench_exit.py": ([sys.executable], ["--runs", "1"]),
     "bench_host_overhead.py": ([sys.executable], ["--units", "2", "--rounds", "4", "--dim", "8"]),
+    "bench_low_precision.py": (
+        [sys.executable],
+        [
+            "--worlds",
+            "2",
+            "--steps",
+            "2",
+            "--settings",
+            "int8+ef",
+            "--runs-dir",
+            "{tmp}",
+            "--plot",
+            "{tmp}/p.png",
+            "--",
+            "--model.d_model",
+            "32",
+            "--model.n_layers",
+            "1",
+            "--model.n_heads",
+            "2",
+            "--data.seq_len",
+            "32",
+        ],
+    ),
     "bench_reduce_precision.py": (
         [sys.executable],
         ["--worlds", "2", "--dim", "16", "--layers", "1", "--steps", "2"],
@@ -75,6 +99,7 @@ def test_every_bench_script_is_covered():
     scripts = {p.name for p in (ROOT / "bench").iterdir() if p.suffix in (".py", ".sh")}
     own_tests = {"fault_common.py", "fault_kill.py", "fault_restart.py", "fault_save.py", "soak.py"}
     own_tests.add("gpu_check.sh")  # tests/test_gpu_check.py runs its --dry-run
+    own_tests |= {"multinode.py", "multinode_script.py"}  # tests/slow/test_multinode.py
     # run by gpu_check.sh (gpu_check.py and the modules it imports)
     helpers = {s for s in scripts if s.startswith("gpu_check") and s.endswith(".py")}
     assert scripts - own_tests - helpers == set(SCRIPTS)

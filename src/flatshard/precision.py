@@ -72,6 +72,9 @@ class MixedPrecision:
 
 # The wire formats ``Comm.reduce`` accepts, and the dtype each sends.
 REDUCE_WIRES = {"bf16": torch.bfloat16}
+# The blockwise-quantized ones (codes + one fp32 scale per block: comm/quantize.py), and the
+# dtype of their codes. ``fp8`` is float8 e4m3 (3 mantissa bits: the gradient format).
+QUANTIZED_WIRES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 
 @dataclass(frozen=True)
@@ -86,21 +89,48 @@ class Comm:
     ``reduce_dtype`` is fp32, as bf16 in an all-to-all (rank ``r`` receives every rank's chunk
     ``r``), summed in fp32 where it arrives: half the bytes of the fp32 reduce-scatter, and
     under bf16 compute (gradients are bf16 already) the same sum up to its order. With any
-    other ``reduce_dtype``, and under ``no_shard``, it has no effect (``fs.shard`` warns)."""
+    other ``reduce_dtype``, and under ``no_shard``, it has no effect (``fs.shard`` warns).
+    ``"int8"`` / ``"fp8"`` (e4m3): quantized blockwise (one fp32 scale per 256 elements,
+    comm/quantize.py), sent in an all-to-all, dequantized and summed in fp32 where they
+    arrive: 1 byte + 4/256 per element, for any floating ``reduce_dtype``
+    (docs/low_precision.md)."""
+
+    error_feedback: bool = False
+    """With ``reduce="int8"``/``"fp8"``: each rank keeps what quantization dropped from its
+    gradient (the residual, an fp32 copy of its flat gradient's size) and adds it to the next
+    step's gradient before quantizing, so the error does not accumulate over steps
+    (features/error_feedback.py). It is training state: ``fs.save``/``fs.load`` keep it, at
+    any world size. A field of ``Comm`` because it belongs to the wire format (it means
+    nothing without a lossy one) and, like it, must agree on every rank (the fingerprint)."""
 
     def __post_init__(self) -> None:
+        wires = {**REDUCE_WIRES, **QUANTIZED_WIRES}
         if self.reduce is not None and (
-            not isinstance(self.reduce, str) or self.reduce not in REDUCE_WIRES
+            not isinstance(self.reduce, str) or self.reduce not in wires
         ):
-            choices = ", ".join(["None", *(repr(name) for name in REDUCE_WIRES)])
+            choices = ", ".join(["None", *(repr(name) for name in wires)])
             raise ValueError(f"Comm(reduce={self.reduce!r}) is unknown; choose one of {choices}")
+        if not isinstance(self.error_feedback, bool):
+            raise ValueError(f"Comm(error_feedback={self.error_feedback!r}): pass True or False")
+        if self.error_feedback and self.reduce not in QUANTIZED_WIRES:
+            raise ValueError(
+                f"Comm(reduce={self.reduce!r}, error_feedback=True): error feedback corrects a "
+                "quantized wire and has nothing to correct here; pass reduce='int8' or "
+                "reduce='fp8', or error_feedback=False"
+            )
+
+    @property
+    def quantized(self) -> bool:
+        return self.reduce in QUANTIZED_WIRES
 
 
 def wire_dtype(reduce_wire: str | None, reduce_dtype: torch.dtype) -> torch.dtype | None:
     """The dtype a ``reduce_dtype`` gradient travels in under ``Comm(reduce=reduce_wire)``, or
     None where that changes nothing (no wire format, or one no narrower than the sum's dtype:
-    a bf16 or fp16 ``reduce_dtype`` keeps its reduce-scatter)."""
-    wire = REDUCE_WIRES.get(reduce_wire) if reduce_wire is not None else None
+    a bf16 or fp16 ``reduce_dtype`` keeps its reduce-scatter under ``"bf16"``). A quantized
+    wire (int8/fp8) returns its code dtype for every wider floating ``reduce_dtype``."""
+    wires = {**REDUCE_WIRES, **QUANTIZED_WIRES}
+    wire = wires.get(reduce_wire) if reduce_wire is not None else None
     if wire is None or not reduce_dtype.is_floating_point:
         return None
     return wire if reduce_dtype.itemsize > wire.itemsize else None

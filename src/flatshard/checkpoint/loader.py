@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from flatshard.checkpoint import agree, commit, jsonable, parts, restore
+from flatshard.checkpoint import agree, commit, jsonable, parts, residuals, restore
 from flatshard.checkpoint.contents import ModelLayout, model_layout, optimizer_params
 from flatshard.checkpoint.reading import Opened, open_checkpoint, read_tensors, verify_files
 from flatshard.checkpoint.saver import session_of
@@ -100,15 +100,21 @@ def load(
         error = str(err)
     agree.raise_if(agree.first_error(error, group))
     assert opened is not None
-    extra = _read_into(opened, layout, optimizers_given, group, in_parts)
+    extra = _read_into(opened, layout, optimizers_given, group, in_parts, models)
     for part in models:
         get_state(part).reshard_all()
     return extra
 
 
-def _read_into(opened: Opened, layout: ModelLayout, optimizers: list, group, by_param) -> dict:
-    """Read the model's and each optimizer's tensors in one DCP load; returns ``extra``."""
+def _read_into(
+    opened: Opened, layout: ModelLayout, optimizers: list, group, by_param, models: list
+) -> dict:
+    """Read the model's and each optimizer's tensors (and error-feedback residuals) in one
+    DCP load; returns ``extra``."""
     targets = restore.model_targets(layout)
+    saved = opened.metadata.state_dict_metadata
+    fed = residuals.load_targets(models, layout, saved, by_param)
+    targets.update(fed)
     optim_desc = {**(_optimizer_description(opened.description) or {}), "version": opened.version}
     by_param = by_param or bool(optim_desc.get("by_param"))  # saved by pipeline stages
     states = []
@@ -120,6 +126,7 @@ def _read_into(opened: Opened, layout: ModelLayout, optimizers: list, group, by_
         targets.update(optim_targets)
         states.append(optim_state)
     read_tensors(opened, targets, group)
+    residuals.restore_loaded(models, layout, fed)
     for optimizer, optim_state in zip(optimizers, states, strict=True):
         restore.load_optimizer(optimizer, optim_desc, layout, optim_state, by_param)
     return jsonable.decode(opened.description.get("extra", {}))

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 
-from flatshard.checkpoint import agree, commit, jsonable, parts
+from flatshard.checkpoint import agree, commit, jsonable, parts, residuals
 from flatshard.checkpoint.contents import (
     describe_model,
     model_items,
@@ -200,6 +200,7 @@ def _describe(
     parts only when ``in_parts``: parts.agree_on_parts merges the ranks' descriptions)."""
     layout = parts.merged_layout(models) if in_parts else model_layout(models[0])
     items = model_items(layout)
+    items.update(residuals.checkpoint_items(models, layout, in_parts))  # collective
     description = {"format": commit.FORMAT, "version": commit.VERSION}
     description["model"] = describe_model(layout)
     description["optimizer"] = None

@@ -13,11 +13,12 @@ import datetime
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from flatshard.comm import gloo_p2p, watchdog
+from flatshard.comm import gloo_p2p, quantize, watchdog
 from flatshard.comm.debug import OpChecker
 
 # torch 2.13 renamed the tensor collectives (the old names warn); torch 2.6 has only the old.
@@ -35,6 +36,7 @@ class CommStats:
     checker: OpChecker | None = None  # debug mode: the check before every collective
     p2p: bool = True  # may Gloo groups use the point-to-point algorithms (gloo_p2p)?
     reduce_wire: str | None = None  # fs.Comm(reduce=...): how gradients travel (wire_dtype)
+    residuals: Any = None  # fs.Comm(error_feedback=True): features/error_feedback.Residuals
 
     def record(
         self,
@@ -240,6 +242,45 @@ def all_to_all_sum(
             out.add_(row)  # fp32 += bf16: the addition is fp32
 
     pending = PendingWork(work, "all_to_all", (out, full, wire, received), label=label, group=group)
+    pending.add_then(sum_rows)
+    return pending
+
+
+def quantized_all_to_all_sum(
+    out: torch.Tensor,
+    sent: torch.Tensor,
+    received: torch.Tensor,
+    fmt: str,
+    group: dist.ProcessGroup,
+    stats: CommStats,
+    label: str = "",
+    source: torch.Tensor | None = None,
+) -> PendingWork:
+    """Async: ``all_to_all_sum`` for blockwise-quantized rows. ``sent`` (uint8 ``[world, B]``,
+    row ``d`` for rank ``d``: ``quantize.pack``'s codes then scales) goes out in one
+    all-to-all; once the wait has returned, the ``world`` rows received are unpacked,
+    dequantized and summed in fp32, in rank order, into ``out`` (``[S]``). The caller
+    quantizes (with error feedback: core/reduce.py) and allocates both byte buffers;
+    ``source``, the gradient it quantized (on the side stream), is held until the wait
+    (rule 2 of [Note: streams and buffer lifetimes] in core/streams.py)."""
+    stats.record("all_to_all", sent, group, label)  # codes + scales: what the wire carries
+    if gloo_p2p.p2p_enabled(group, stats.p2p):
+        work = _p2p_all_to_all(received, sent, group)
+    else:
+        work = dist.all_to_all_single(received, sent, group=group, async_op=True)
+
+    def sum_rows(_) -> None:
+        codes, scales = quantize.unpack(received, fmt, out.numel())
+        rows = quantize.dequantize(codes, scales)
+        total = out if out.dtype == torch.float32 else torch.empty_like(out, dtype=torch.float32)
+        total.copy_(rows[0])
+        for row in rows[1:]:
+            total.add_(row)
+        if total is not out:
+            out.copy_(total)
+
+    kept = (out, sent, received, source)
+    pending = PendingWork(work, "all_to_all", kept, label=label, group=group)
     pending.add_then(sum_rows)
     return pending
 

@@ -21,6 +21,7 @@ from flatshard.core.switches import Switches
 from flatshard.core.unit import Unit, UnitRole
 from flatshard.features import root_split
 from flatshard.features.buckets import merge_buckets, plan_for
+from flatshard.features.error_feedback import Residuals
 from flatshard.features.float8 import float8_dtype_of, keep_private
 from flatshard.features.root_split import tail_parameters
 from flatshard.parallel.tensor import spec_of
@@ -39,6 +40,7 @@ def build_state(
     """The units of ``plan`` over ``topology``, and the state that drives them."""
     checker = OpChecker() if switches.debug else None
     stats = CommStats(checker=checker, p2p=switches.gloo_p2p, reduce_wire=options.comm.reduce)
+    stats.residuals = Residuals() if options.comm.error_feedback else None  # error_feedback.py
     units, owned, slots = _build_units(model, plan, topology, stats, options)
     buckets = plan_for(options.coalesce, units, model)
     units = merge_buckets(units, buckets, owned, slots, options.mixed_precision, options.offload)

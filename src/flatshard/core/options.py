@@ -127,7 +127,14 @@ def _comm(comm: Comm | None, strategy: ShardingStrategy, mp: MixedPrecision | No
         raise TypeError(f"comm={comm!r}: pass fs.Comm(reduce='bf16') (or None)")
     if comm.reduce is None:
         return comm
+    if comm.error_feedback and strategy is ShardingStrategy.NO_SHARD:
+        raise ValueError(  # a residual that would never exist must not look checkpointed
+            f"fs.shard(strategy='no_shard', comm=fs.Comm(reduce={comm.reduce!r}, "
+            "error_feedback=True)): no_shard all-reduces unquantized gradients, so there is no "
+            "quantization residual to keep or checkpoint; use a sharded strategy or drop comm="
+        )
     low = mp.effective_reduce_dtype if mp is not None else None
+    low = None if comm.quantized else low  # int8/fp8 are narrower than any reduce_dtype
     if strategy is ShardingStrategy.NO_SHARD or low in LOW_PRECISION:
         why = (
             "no_shard has no reduce-scatter (its gradients are all-reduced)"
@@ -136,7 +143,7 @@ def _comm(comm: Comm | None, strategy: ShardingStrategy, mp: MixedPrecision | No
         )
         warnings.warn(
             f"fs.shard(comm=fs.Comm(reduce={comm.reduce!r})) has no effect: {why}; it applies "
-            "to an fp32 reduce_dtype under a sharded strategy",
+            "to an fp32 reduce_dtype (int8/fp8: any) under a sharded strategy",
             stacklevel=4,
         )
     return comm

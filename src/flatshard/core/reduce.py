@@ -19,7 +19,8 @@ parameter's part of a chunk straight from autograd's gradient, no flat copy). Th
 sum then a division, split around the sum for fp16 (``precision.sum_scaling``). A wire
 format (``fs.Comm(reduce="bf16")``) changes the collective, not the sums' dtype: the
 reduce-scatter becomes an all-to-all in bf16 and an fp32 sum where the chunks arrive
-(``reduce_on_wire``, [Note: a narrow wire, a wide sum]). After the
+(``reduce_on_wire``, [Note: a narrow wire, a wide sum]); ``"int8"``/``"fp8"`` quantize
+blockwise before that all-to-all (``reduce_quantized``, comm/quantize.py). After the
 wait, the ranks agree on which parameters were used (usage.py) and ``assign_grads`` hands
 out the slices.
 """
@@ -31,11 +32,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from flatshard.comm import quantize
 from flatshard.comm.collectives import (
     CommStats,
     PendingWork,
     all_reduce_sum,
     all_to_all_sum,
+    quantized_all_to_all_sum,
     reduce_scatter_pieces_sum,
     reduce_scatter_sum,
     sends_from_pieces,
@@ -45,8 +48,9 @@ from flatshard.core.flat_group import FlatGroup
 from flatshard.core.layout import chunk_spans
 from flatshard.core.mesh import Topology
 from flatshard.core.streams import NO_STREAMS, on_side_stream
+from flatshard.features.error_feedback import quantize_with_feedback
 from flatshard.offload import copy_to_host
-from flatshard.precision import sum_scaling, wire_dtype
+from flatshard.precision import QUANTIZED_WIRES, sum_scaling, wire_dtype
 
 PIECES_MIN_BYTES = 1 << 20  # see reduces_pieces
 Grad = torch.Tensor | tuple  # a padded flat gradient, or per-parameter ones (None: unused)
@@ -114,6 +118,8 @@ def reduce_chunked(
     is chunk ``r``) over every data-parallel rank: reduce-scatter SUM over the shard group,
     then the replicas, then the division."""
     wire = wire_dtype(stats.reduce_wire, grad.dtype)
+    if wire is not None and stats.reduce_wire in QUANTIZED_WIRES:
+        return reduce_quantized(group, grad, used, topo, stats, timeout)
     if wire is not None:
         return reduce_on_wire(group, grad, used, topo, stats, timeout, wire)
     pre, post = sum_scaling(grad.dtype, divisor(topo))
@@ -149,6 +155,36 @@ def reduce_on_wire(
     with on_side_stream(topo.streams, "reduce"):  # see streams.py
         work = all_to_all_sum(
             out, grad.view(-1), sent, received.view(-1), topo.shard_group, stats, group.label
+        )
+        _then_replicas_and_divide(work, out, post, topo, stats, group.label, timeout)
+    return PendingReduce(group, out, used, work)
+
+
+def reduce_quantized(
+    group: FlatGroup, grad: torch.Tensor, used, topo: Topology, stats: CommStats, timeout
+) -> PendingReduce:
+    """``reduce_on_wire`` with ``fs.Comm(reduce="int8"|"fp8")``: the flat gradient, viewed as
+    ``[world, S]``, is quantized blockwise (with the rank's residual added first under error
+    feedback, features/error_feedback.py), one all-to-all of the packed codes and scales hands
+    rank ``r`` every rank's chunk ``r``, which it dequantizes and sums in fp32
+    (``quantized_all_to_all_sum``). The summed shard stays fp32 whatever ``reduce_dtype``
+    (the replicas' all-reduce and the division run on it in fp32, no fp16 pre-division)."""
+    post = sum_scaling(torch.float32, divisor(topo))[1]
+    world, row = group.padded_numel // group.shard_numel, group.shard_numel
+    residuals = stats.residuals
+    # fp32 whatever reduce_dtype: the sum of dequantized chunks cannot overflow (fp16) before
+    # the division, and assign_grads casts into the fragments' dtype
+    out = torch.empty(row, dtype=torch.float32, device=grad.device)  # rule 1
+    row_bytes = quantize.packed_row_bytes(row)
+    sent = torch.empty(world, row_bytes, dtype=torch.uint8, device=grad.device)  # rule 1
+    received = torch.empty(world, row_bytes, dtype=torch.uint8, device=grad.device)  # rule 1
+    residual = residuals.of(group) if residuals is not None else None
+    with on_side_stream(topo.streams, "reduce"):  # see streams.py
+        fmt = stats.reduce_wire
+        codes, scales = quantize_with_feedback(grad.view(world, row), fmt, residual)
+        quantize.pack(codes, scales, sent)
+        work = quantized_all_to_all_sum(
+            out, sent, received, fmt, topo.shard_group, stats, group.label, source=grad
         )
         _then_replicas_and_divide(work, out, post, topo, stats, group.label, timeout)
     return PendingReduce(group, out, used, work)

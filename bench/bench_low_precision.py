@@ -1,0 +1,173 @@
+"""Convergence of low-precision gradient wires: ``flatshard train`` on the embedded corpus under
+each ``--comm.reduce`` (fp32, bf16, int8, fp8; int8 and fp8 with and without
+``--comm.error_feedback``), seed fixed, at each world size; a table and a loss plot.
+
+Run: OMP_NUM_THREADS=1 .venv/bin/python bench/bench_low_precision.py \
+         [--worlds 2 4] [--steps 1000] [--settings fp32 bf16 int8 int8+ef fp8 fp8+ef] \
+         [--runs-dir /tmp/lowp_runs] [--plot docs/low_precision.png] [--summarize-only] \
+         [-- EXTRA TRAIN ARGS]
+
+Each (world, setting) trains into ``RUNS_DIR/w{world}_{setting}`` (one run at a time: the
+timings share the box with nothing of ours). A run whose ``metrics.jsonl`` already reaches
+``--steps`` is not repeated, so the command resumes an interrupted sweep, and
+``--summarize-only`` rebuilds the table and plot from what is there. Reported per run: the final
+training loss (mean of the last 20 steps), the last validation loss, the gradient bytes one
+rank's reduction sends per step (what ``fs.comm_stats`` counts, from the model's parameter count:
+docs/low_precision.md's table; the all-gathers, unchanged by ``--comm``, are left out), and the
+median step time. The table goes to ``RUNS_DIR/table.md`` and stdout; the plot (matplotlib,
+imported only here) to ``--plot``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+SETTINGS = {  # name -> train flags
+    "fp32": ["--comm.reduce", "fp32"],
+    "bf16": ["--comm.reduce", "bf16"],
+    "int8": ["--comm.reduce", "int8", "--comm.error_feedback", "false"],
+    "int8+ef": ["--comm.reduce", "int8", "--comm.error_feedback", "true"],
+    "fp8": ["--comm.reduce", "fp8", "--comm.error_feedback", "false"],
+    "fp8+ef": ["--comm.reduce", "fp8", "--comm.error_feedback", "true"],
+}
+BLOCK = 256  # comm/quantize.py's BLOCK (not imported: this script only launches the trainer)
+BYTES_PER_PARAM = {  # the reduction's counted bytes per parameter (precision.reduce_dtype fp32)
+    "fp32": 4.0,
+    "bf16": 2.0,
+    "int8": 1 + 4 / BLOCK,
+    "fp8": 1 + 4 / BLOCK,
+}
+
+
+def run_one(world: int, setting: str, args, extra: list[str]) -> Path:
+    out = Path(args.runs_dir) / f"w{world}_{setting}"
+    rows = _metrics(out)
+    if rows and rows[-1]["step"] >= args.steps:
+        return out  # done already
+    cmd = [sys.executable, "-m", "flatshard.tools.cli", "train", "--nproc", str(world),
+           "--steps", str(args.steps), "--seed", "0", "--out", str(out),
+           "--log.sample_tokens", "0", "--log.progress_bar", "false",
+           "--checkpoint.every", "0", *SETTINGS[setting], *extra]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, env=env, check=True)
+    return out
+
+
+def _metrics(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def summarize(world: int, setting: str, out: Path, params: int | None) -> dict | None:
+    rows = _metrics(out)
+    if not rows:
+        return None
+    vals = [r["val_loss"] for r in rows if r.get("val_loss") is not None]
+    kind = setting.split("+")[0]
+    return {
+        "world": world,
+        "setting": setting,
+        "steps": rows[-1]["step"],
+        "train": statistics.fmean(r["loss"] for r in rows[-20:]),
+        "val": vals[-1] if vals else float("nan"),
+        "bytes": BYTES_PER_PARAM[kind] * params if params else None,
+        "step_s": statistics.median(r["step_time_s"] for r in rows[1:] or rows),
+        "losses": [r["loss"] for r in rows],
+    }
+
+
+def table(results: list[dict]) -> str:
+    lines = [
+        "| world | setting | steps | final train loss (last 20) | val loss | reduce bytes/step/rank"
+        " | median step s |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        size = f"{r['bytes']:,.0f}" if r["bytes"] else "?"
+        lines.append(
+            f"| {r['world']} | {r['setting']} | {r['steps']} | {r['train']:.4f} | {r['val']:.4f}"
+            f" | {size} | {r['step_s']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib  # lazy: only the plot needs it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    worlds = sorted({r["world"] for r in results})
+    fig, axes = plt.subplots(1, len(worlds), figsize=(6 * len(worlds), 4), squeeze=False)
+    for ax, world in zip(axes[0], worlds, strict=True):
+        for r in (r for r in results if r["world"] == world):
+            smooth = [statistics.fmean(r["losses"][max(0, i - 19) : i + 1])
+                      for i in range(len(r["losses"]))]  # fmt: skip
+            ax.plot(range(1, len(smooth) + 1), smooth, label=r["setting"], linewidth=1)
+        ax.set(title=f"world {world}", xlabel="step", ylabel="train loss (20-step mean)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _count_params(args, extra: list[str]) -> int | None:
+    """The parameter count the trainer prints (``model: ..., N parameters``; one 1-step
+    run, cached in RUNS_DIR)."""
+    cache = Path(args.runs_dir) / "params.txt"
+    if cache.is_file():
+        return int(cache.read_text())
+    if args.summarize_only:
+        return None
+    cmd = [sys.executable, "-m", "flatshard.tools.cli", "train", "--nproc", "1", "--steps", "1",
+           "--out", str(Path(args.runs_dir) / "count"), "--checkpoint.enabled", "false",
+           "--log.sample_tokens", "0", *extra]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    text = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+    line = next(li for li in text.splitlines() if "parameters" in li and "model:" in li)
+    count = int("".join(ch for ch in line.split(",", 1)[1] if ch.isdigit()))
+    cache.write_text(str(count))
+    return count
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    p.add_argument("--runs-dir", default="/tmp/lowp_runs")
+    p.add_argument("--plot", default="docs/low_precision.png")
+    p.add_argument("--summarize-only", action="store_true")
+    args = p.parse_args(argv)
+    Path(args.runs_dir).mkdir(parents=True, exist_ok=True)
+    params = _count_params(args, extra)
+    results = []
+    for world in args.worlds:
+        for setting in args.settings:
+            out = Path(args.runs_dir) / f"w{world}_{setting}"
+            if not args.summarize_only:
+                run_one(world, setting, args, extra)
+            summary = summarize(world, setting, out, params)
+            if summary is not None:
+                results.append(summary)
+    text = table(results)
+    (Path(args.runs_dir) / "table.md").write_text(text + "\n")
+    print(text)
+    if results and args.plot:
+        plot(results, args.plot)
+        print(f"wrote {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
