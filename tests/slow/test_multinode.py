@@ -42,3 +42,43 @@ def test_two_nodes_kill_and_resume_on_the_same_curve(tmp_path):
     assert node["survivor_code"] not in (0, None), node  # it ended, and not as a success
     assert node["codes"] == [0, 0] and node["resumed_from_step"], node
     assert node["same_curve"] and node["max_loss_gap"] == 0.0, node
+
+
+def test_a_library_script_on_two_nodes_matches_one_process():
+    """``bench/multinode_script.py`` (fs.shard, hybrid_shard: shard within a "node", replicate
+    across) under two torchrun agents x 2 workers: every step's loss equals an unsharded
+    model's on the global batch."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        from multinode import free_port, kill_tree
+    finally:
+        sys.path.remove(str(BENCH))
+    port = free_port()
+    agent = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}",
+        "--rdzv-id", f"lib{port}", "--rdzv-conf", "join_timeout=60",
+        str(BENCH / "multinode_script.py"), "--steps", "3", "--check",
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    agents = [
+        subprocess.Popen(
+            agent,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        for _ in range(2)
+    ]
+    try:
+        outs = [a.communicate(timeout=300) for a in agents]
+    finally:
+        for a in agents:
+            kill_tree(a.pid)
+    assert [a.returncode for a in agents] == [0, 0], [err[-2000:] for _, err in outs]
+    lines = [ln for out, _ in outs for ln in out.splitlines() if ln.startswith("{")]
+    (report,) = [json.loads(ln) for ln in lines]
+    assert report["world"] == 4 and report["mesh"] == {"replicate": 2, "shard": 2}, report
+    assert len(report["losses"]) == 3 and max(report["gaps"]) < 1e-5, report

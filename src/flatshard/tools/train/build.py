@@ -14,10 +14,11 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
 import flatshard as fs
+from flatshard.comm.attempt_store import attempt_store
 from flatshard.models import GPT, Block
 from flatshard.tools.train import tp_plan as tensor_parallel
 from flatshard.tools.train.config import OptimConfig, TrainConfig
-from flatshard.tools.train.resolve import gpt_config, mixed_precision
+from flatshard.tools.train.resolve import comm, gpt_config, mixed_precision
 
 __all__ = [
     "Env",
@@ -83,7 +84,9 @@ def init_distributed(backend: str, timeout_s: float, tp: int = 1, pp: int = 1, c
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # under torchrun --max-restarts: see [Note: stale keys after a torchrun restart]
+    dist.init_process_group(backend, timeout=timeout, **attempt_store(timeout))
     world = dist.get_world_size()  # world: a tool
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     return Env(dist.get_rank(), world, local_world, device, tp, pp, cp)  # world: a tool
@@ -110,6 +113,7 @@ def build_model(cfg: TrainConfig, env: Env, vocab_needed: int = 258) -> GPT:
         return build_hf_model(
             cfg.model.hf, cfg.seed, cfg.data.seq_len, vocab_needed,
             strategy=cfg.parallel.strategy, mixed_precision=mixed_precision(cfg), mesh=mesh,
+            comm=comm(cfg),
             timeout_s=cfg.parallel.timeout_s, tp_mesh=tp_mesh,
         )  # fmt: skip
     if cfg.model.experts:  # see [Note: the trainer's (efsdp, ep) layout]
@@ -131,12 +135,13 @@ def build_model(cfg: TrainConfig, env: Env, vocab_needed: int = 258) -> GPT:
 
         parallelize(model, env.device.type, env.world, env.cp)
     return fs.shard(
-        model,
+        convert_model(model, cfg, env.device),
         policy=fs.wrap.by_type(Block),
         strategy=cfg.parallel.strategy,
         mixed_precision=mixed_precision(cfg),
         mesh=mesh,
         timeout_s=cfg.parallel.timeout_s,
+        comm=comm(cfg),
     )
 
 
@@ -208,6 +213,7 @@ def build_training(cfg: TrainConfig, env: Env, vocab: int) -> tuple[Any, Any, La
     """The sharded model, its optimizer and LR schedule, and None; with pp > 1 this rank's
     stage modules (a list), the first stage's optimizer and schedule, and the ``Pipeline``
     holding one of each per stage (stepped together)."""
+    _check_float8(cfg, env)
     if env.pp == 1:
         model = build_model(cfg, env, vocab)
         # identical init everywhere, then a per-rank stream: dropout masks differ between ranks
@@ -216,22 +222,44 @@ def build_training(cfg: TrainConfig, env: Env, vocab: int) -> tuple[Any, Any, La
         return model, optimizer, build_scheduler(optimizer, cfg.optim), None
     from flatshard.tools.train.pipeline_build import build_pipeline
 
-    pipe = build_pipeline(cfg, env.rank, env.world, env.device)
+    pipe = build_pipeline(cfg, env.rank, env.world, env.device, env.local_world)
     torch.manual_seed(cfg.seed * 1_000_003 + 1 + env.rank)
     pipe.optimizers = [build_optimizer(m, cfg.optim) for m in pipe.stages]
     pipe.schedulers = [build_scheduler(o, cfg.optim) for o in pipe.optimizers]
     return pipe.stages, pipe.optimizers[0], pipe.schedulers[0], pipe
 
 
+def convert_model(model: GPT, cfg: TrainConfig, device: torch.device) -> GPT:
+    """``--model.float8``: the blocks' linears to torchao's float8 (docs/float8.md)."""
+    if not cfg.model.float8:
+        return model
+    from flatshard.features.float8 import convert_linears
+
+    return convert_linears(model, emulate=device.type == "cpu", prefix="layers.")
+
+
+def _check_float8(cfg: TrainConfig, env: Env) -> None:
+    """--model.float8 covers the dense GPT under data parallelism only."""
+    other = {"model.hf": cfg.model.hf, "model.experts": cfg.model.experts,
+             "parallelism.tp": env.tp > 1, "parallelism.pp": env.pp > 1,
+             "parallelism.cp": env.cp > 1}  # fmt: skip
+    used = [name for name, on in other.items() if on]
+    if cfg.model.float8 and used:
+        raise ValueError(
+            f"model.float8=true is not supported with {', '.join(used)}: pass --model.float8 "
+            "false, or train the dense GPT with data parallelism only"
+        )
+
+
 def flops_per_token(cfg: TrainConfig, model: Any, attention_length: float) -> float:
     """Training FLOPs per token (for MFU) of the GPT, the MoE GPT (active parameters), the
     pipeline's whole GPT, or a Hugging Face model."""
-    if isinstance(model, list):  # pipeline stages: the whole GPT's count
-        return gpt_config(cfg).flops_per_token(attention_length)
     if cfg.model.experts:  # the active parameters: router + top_k experts per layer
         from flatshard.tools.train.resolve import moe_config
 
         return moe_config(cfg).flops_per_token(round(attention_length))
+    if isinstance(model, list):  # pipeline stages: the whole GPT's count
+        return gpt_config(cfg).flops_per_token(attention_length)
     from flatshard.tools.train import hf_model
 
     return hf_model.flops_per_token(model, attention_length)

@@ -2,7 +2,7 @@
 
 ``TrainConfig`` holds the run-level fields (``steps``, ``seed``, ``out``) and the sections
 ``model``, ``data``, ``parallel`` (also spelt ``parallelism``, torchtitan's name: see
-``SECTION_ALIASES``), ``precision``, ``optim``, ``checkpoint`` and ``log``. TOML files
+``SECTION_ALIASES``), ``precision``, ``comm``, ``optim``, ``checkpoint`` and ``log``. TOML files
 mirror that shape (top-level keys, then one ``[section]`` table each); ``config_io`` reads, writes
 and overrides them. Values a TOML file cannot spell as "unset" (it has no null) use ``0`` or
 ``"auto"``, resolved at run time by :func:`flatshard.tools.train.resolve.resolve` (and written out
@@ -18,6 +18,7 @@ __all__ = [
     "SECTIONS",
     "SECTION_ALIASES",
     "CheckpointConfig",
+    "CommConfig",
     "DataConfig",
     "LogConfig",
     "ModelConfig",
@@ -95,6 +96,9 @@ class ModelConfig:
     """A transformers causal LM instead of the GPT: a directory with a config.json (random
     init) or a save_pretrained directory (its weights); "" = the GPT. Local files only. The
     GPT's shape fields are then ignored (see docs/trainer.md)."""
+    float8: bool = False
+    """torchao float8 training (``pip install 'flatshard[float8]'``) of the GPT blocks' linears,
+    their weights gathered in float8 (docs/float8.md); emulated on the CPU."""
 
     def __post_init__(self) -> None:
         from flatshard.models import PRESETS  # light: no torch work at import
@@ -110,6 +114,8 @@ class ModelConfig:
         if self.experts and self.top_k > self.experts:
             raise _fail("model.top_k", self.top_k, f"exceeds model.experts={self.experts}",
                         f"pass a --model.top_k of at most {self.experts}")  # fmt: skip
+        if not isinstance(self.float8, bool):
+            raise TypeError(f"model.float8={self.float8!r} must be true or false")
         if not isinstance(self.hf, str):
             raise TypeError(f"model.hf={self.hf!r} must be a directory path (a string)")
 
@@ -225,6 +231,24 @@ class PrecisionConfig:
     def __post_init__(self) -> None:
         _choice("precision.param_dtype", self.param_dtype, ("auto", *DTYPES))
         _choice("precision.reduce_dtype", self.reduce_dtype, DTYPES)
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    """How gradients travel in the reduction (fs.Comm, docs/low_precision.md)."""
+
+    reduce: str = "fp32"
+    """Gradient wire format: fp32 (the reduce-scatter in precision.reduce_dtype), bf16 (an
+    all-to-all in bf16, summed in fp32), int8 or fp8 (quantized in 256-element blocks with one
+    fp32 scale each, summed in fp32)."""
+    error_feedback: bool = False
+    """With comm.reduce int8/fp8: carry each rank's quantization error into the next step
+    (checkpointed with the model)."""
+
+    def __post_init__(self) -> None:
+        _choice("comm.reduce", self.reduce, ("fp32", "bf16", "fp8", "int8"))
+        if not isinstance(self.error_feedback, bool):
+            raise TypeError(f"comm.error_feedback={self.error_feedback!r} must be true or false")
 
 
 @dataclass(frozen=True)
@@ -348,6 +372,8 @@ class TrainConfig:
     """Processes and sharding."""
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     """Mixed precision."""
+    comm: CommConfig = field(default_factory=CommConfig)
+    """Gradient wire format."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and schedule."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -370,6 +396,7 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "parallel": ParallelConfig,
     "precision": PrecisionConfig,
+    "comm": CommConfig,
     "optim": OptimConfig,
     "checkpoint": CheckpointConfig,
     "log": LogConfig,

@@ -9,6 +9,8 @@ to them and back by all-to-all over ``mesh["ep"]``, and each ``Experts`` unit is
 ``mesh["efsdp"]`` (the ranks holding the same experts: a per-unit mesh, returned by the wrap
 policy); the dense part of every ``MoEBlock`` is sharded over all ranks as usual.
 
+* **Pipeline** (``parallel.pp > 1``): the same layout inside each stage's ``world / pp`` dp
+  ranks, mesh ``("pp", "efsdp", "ep")`` (:func:`expert_mesh`); see ``tools/train/pipeline.py``.
 * **Data.** Every rank is a data-parallel rank (EP splits the experts, not the batch): the
   sampler is built for ``rank`` of ``world``, as without EP.
 * **Loss.** The logged ``loss`` is the token-mean cross-entropy (as for the dense GPT); the
@@ -28,7 +30,15 @@ from torch import nn
 import flatshard as fs
 from flatshard.tools.train.config import TrainConfig
 
-__all__ = ["aux_loss", "build_moe_model", "check_ep", "is_moe"]
+__all__ = [
+    "aux_loss",
+    "build_moe_model",
+    "check_ep",
+    "expert_mesh",
+    "is_moe",
+    "moe_decoder",
+    "unit_policy",
+]
 
 
 def check_ep(cfg: TrainConfig, world: int) -> None:
@@ -43,20 +53,21 @@ def check_ep(cfg: TrainConfig, world: int) -> None:
         return
     if m.hf:
         raise ValueError(f"model.experts={m.experts} builds flatshard's MoE GPT: drop model.hf")
-    for name, value in (("parallel.tp", p.tp), ("parallel.pp", p.pp)):
-        if value > 1:
-            raise ValueError(
-                f"{name}={value} cannot be combined with model.experts yet; pass --{name} 1"
-            )
+    if p.tp > 1:
+        raise ValueError(
+            f"parallel.tp={p.tp} cannot be combined with model.experts yet; pass --parallelism.tp 1"
+        )
     if p.strategy == "hybrid_shard":
         raise ValueError(
             "parallel.strategy='hybrid_shard' cannot be combined with model.experts yet; "
             "pass full_shard"
         )
-    if world % p.ep or m.experts % p.ep:
+    dp = world // p.pp if world % p.pp == 0 else world  # pp: a stage's data-parallel ranks
+    if dp % p.ep or m.experts % p.ep:
+        where = f"the world size {world}" if p.pp == 1 else f"the {dp} ranks of each stage"
         raise ValueError(
-            f"parallel.ep={p.ep} must divide the world size {world} and model.experts="
-            f"{m.experts}; pass a --parallelism.ep that divides both"
+            f"parallel.ep={p.ep} must divide {where} and model.experts={m.experts}; pass a "
+            "--parallelism.ep that divides both"
         )
 
 
@@ -64,7 +75,7 @@ def is_moe(cfg: TrainConfig) -> bool:
     return cfg.model.experts > 0
 
 
-def _policy(ep_mesh: Any) -> Any:
+def unit_policy(ep_mesh: Any) -> Any:
     """Units: every ``MoEBlock`` over the model's mesh; every ``Experts`` over the ranks that
     hold the same experts (``efsdp``), or as a plain unit without EP."""
     from flatshard.models.moe import Experts, MoEBlock
@@ -77,29 +88,46 @@ def _policy(ep_mesh: Any) -> Any:
     return policy
 
 
-def build_moe_model(cfg: TrainConfig, device: torch.device, world: int) -> nn.Module:
-    """The sharded MoE GPT, this rank's experts only when ``parallel.ep > 1``."""
+def expert_mesh(device_type: str, world: int, pp: int, ep: int) -> Any:
+    """``("efsdp", "ep")``, or ``("pp", "efsdp", "ep")`` under pp (a stage's dp ranks split
+    into groups of ``ep`` consecutive ranks); None without EP. A world collective."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from flatshard.models.moe import MoEGPT
-    from flatshard.tools.train.resolve import mixed_precision, moe_config
+    if ep == 1:
+        return None
+    shape, names = (world // (pp * ep), ep), ("efsdp", "ep")
+    if pp > 1:
+        shape, names = (pp, *shape), ("pp", *names)
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
-    ep = cfg.parallel.ep
-    mesh = None
-    if ep > 1:
-        mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
-    torch.manual_seed(cfg.seed)  # the same dense weights everywhere, each expert on its holders
+
+def moe_decoder(cfg: TrainConfig, device: torch.device, mesh: Any) -> nn.Module:
+    """The unsharded MoE GPT from ``cfg.seed``: the same dense weights on every rank, each
+    expert on the ranks holding it (this rank's experts of ``mesh["ep"]`` only, with EP)."""
+    from flatshard.models.moe import MoEGPT
+    from flatshard.tools.train.resolve import moe_config
+
+    torch.manual_seed(cfg.seed)
+    ep_group = None if mesh is None else mesh["ep"]
     if device.type == "cpu":
-        model = MoEGPT(moe_config(cfg), ep_group=None if mesh is None else mesh["ep"])
-    else:
-        with device:
-            model = MoEGPT(moe_config(cfg), ep_group=None if mesh is None else mesh["ep"])
+        return MoEGPT(moe_config(cfg), ep_group=ep_group)
+    with device:
+        return MoEGPT(moe_config(cfg), ep_group=ep_group)
+
+
+def build_moe_model(cfg: TrainConfig, device: torch.device, world: int) -> nn.Module:
+    """The sharded MoE GPT, this rank's experts only when ``parallel.ep > 1``."""
+    from flatshard.tools.train.resolve import comm, mixed_precision
+
+    mesh = expert_mesh(device.type, world, 1, cfg.parallel.ep)
+    model = moe_decoder(cfg, device, mesh)
     return fs.shard(
         model,
-        policy=_policy(mesh),
+        policy=unit_policy(mesh),
         strategy=cfg.parallel.strategy,
         mixed_precision=mixed_precision(cfg),
         timeout_s=cfg.parallel.timeout_s,
+        comm=comm(cfg),
     )
 
 

@@ -23,6 +23,21 @@ schedules) or on ``0, 1, .., pp-1, pp-1, .., 0`` (V-shaped: ZBVZeroBubble, DualP
   model's norm on every rank.
 * **Validation and the final sample** walk the stages forward by point-to-point sends
   (``pipeline_forward``): torch's ``schedule.eval`` fails on the V-shaped schedules.
+
+The other axes join torchtitan's way, pp outermost and tp innermost (``pipeline_build``):
+
+* **hybrid_shard**: ``"dp"`` becomes ``("replicate", "shard")``, ``shard`` being the dp ranks
+  of one stage on one machine, ``replicate`` the machines; each stage is sharded over both.
+* **tp**: ``("pp", "dp", "tp")``; the whole GPT is made tensor-parallel (sequence parallel)
+  before it is cut, so every stage holds TP modules and sends its tp rank's ``[B, T/tp, C]``
+  share of the stream to the same tp rank of the next stage. The losses and token counts
+  the world reductions see are tp times too many: divided out. The head must be untied
+  (``fs.tie_across_stages`` takes no DTensor parameters yet) and its logits gathered.
+* **ep** (MoE GPT): a second mesh ``("pp", "efsdp", "ep")`` splits each stage's dp ranks into
+  ep groups; experts are sharded over ``efsdp``, the rest over ``dp`` (``moe.unit_policy``).
+  The routers' load-balancing loss joins the gradient inside each stage
+  (``pipeline_stage``), weighted per pipeline microbatch: it equals the unpipelined run's
+  when the pipeline microbatches are its micro-batches.
 """
 
 from __future__ import annotations
@@ -73,21 +88,25 @@ def microbatch_count(cfg: TrainConfig) -> int:
 
 def _layout_errors(cfg: TrainConfig, world: int) -> str | None:
     p, v = cfg.parallel, stages_per_rank(cfg)
-    if world % p.pp:
+    if world % (p.pp * p.tp):
+        tp = f" x parallel.tp={p.tp}" if p.tp > 1 else ""
         return (
-            f"parallel.pp={p.pp} does not divide the world size {world}; pass a "
-            f"--parallelism.pp that divides {world}, or start a multiple of {p.pp} ranks"
+            f"parallel.pp={p.pp}{tp} does not divide the world size {world}; pass a "
+            f"--parallelism.pp that divides {world // p.tp}, or start a multiple of "
+            f"{p.pp * p.tp} ranks"
         )
-    for name, value, fix in (("parallel.tp", p.tp, "--parallelism.tp 1"),
-                             ("model.experts", cfg.model.experts, "--model.experts 0"),
-                             ("parallel.ep", p.ep, "--parallelism.ep 1")):  # fmt: skip
-        if value not in (0, 1):
-            return f"{name}={value} cannot be combined with parallel.pp={p.pp} yet; pass {fix}"
+    if p.tp > 1 and p.loss_parallel:
+        return (
+            f"parallel.loss_parallel=true cannot be combined with parallel.pp={p.pp} yet "
+            "(the last stage gathers its logits); pass --parallelism.loss_parallel false"
+        )
+    if p.tp > 1 and cfg.model.tie_embeddings:
+        return (f"model.tie_embeddings=true cannot be combined with parallel.pp={p.pp} and "
+                f"parallel.tp={p.tp} yet (fs.tie_across_stages takes no tensor-parallel "
+                "parameters); pass --model.tie_embeddings false")  # fmt: skip
     if cfg.model.hf:
-        return f"model.hf={cfg.model.hf!r}: pipeline parallelism cuts the GPT only"
-    if p.strategy == "hybrid_shard":
-        return ("parallel.strategy='hybrid_shard' cannot be combined with parallel.pp yet "
-                "(each stage is sharded over its 1-D dp mesh); pass full_shard")  # fmt: skip
+        return (f"model.hf={cfg.model.hf!r} cannot be combined with parallel.pp={p.pp} yet "
+                "(the pipeline cuts flatshard's GPT); pass --parallelism.pp 1")  # fmt: skip
     if (p.schedule in SINGLE and v != 1) or (p.schedule in V_SHAPED and v != 2):
         need = 1 if p.schedule in SINGLE else 2
         return (f"parallel.stages_per_rank={v}: schedule {p.schedule} holds exactly {need} "

@@ -4,10 +4,11 @@ Torch's ``schedule.eval`` runs the V-shaped schedules' backward actions too (``Z
 fails: "can't steal_bwd_input if this stage doesn't have backward", torch 2.13), and any
 schedule pins the microbatch shape its first step inferred. Evaluation needs neither: one
 microbatch walks the stages in order, each owner computing its stage and handing the hidden
-state ``[B, T, d_model]`` to the next stage's owner by point-to-point send on the pp group (the
-stages' outputs are fp32: the trainer's mixed precision sets ``output_dtype``). Any shape works,
-so validation uses the trainer's validation micro-batches as they are, and sampling one
-growing context.
+state ``[B, T, d_model]`` (``T / tp`` tokens per tp rank under tp) to the next stage's owner
+by point-to-point send on the pp group (the stages' outputs are fp32: the trainer's mixed
+precision sets ``output_dtype``). Any shape works, so validation uses the trainer's
+validation micro-batches as they are, and sampling one growing context (padded on the right
+to a multiple of tp: causal attention, the padding changes nothing before it).
 """
 
 from __future__ import annotations
@@ -46,11 +47,12 @@ def forward_through(run: Run, ids: torch.Tensor, positions: torch.Tensor) -> tor
     mine = iter(pipe.stages)  # this rank's stage modules, in stage order
     x: torch.Tensor = ids
     width = pipe.stages[0].config.d_model
+    rows, length = ids.shape[0], ids.shape[1] // env.tp  # sequence parallel: T / tp per rank
     for s, owner in enumerate(owners):
         if owner != me:
             continue
         if s > 0 and owners[s - 1] != me:
-            x = torch.empty(*ids.shape, width, device=env.device)  # [B, T, C] fp32
+            x = torch.empty(rows, length, width, device=env.device)  # [B, T / tp, C] fp32
             dist.recv(x, group=group, group_src=owners[s - 1])
         x = next(mine)(x, positions)
         if s < len(owners) - 1 and owners[s + 1] != me:
@@ -87,12 +89,17 @@ def pipeline_generate(run: Run, ids: torch.Tensor, tokens: int, gen: torch.Gener
 
     pipe = run.pipe
     group = pipe.mesh["pp"].get_group()
-    source = _owners(run)[-1]
-    limit = run.cfg.data.seq_len  # the RoPE tables' length
+    source, tp = _owners(run)[-1], run.env.tp
+    limit = run.cfg.data.seq_len - run.cfg.data.seq_len % tp  # the RoPE tables' length
 
-    def logits(context: torch.Tensor) -> torch.Tensor:  # [1, T] -> [1, T, V]
+    def logits(context: torch.Tensor) -> torch.Tensor | None:  # [1, T] -> [1, T, V]
+        length = context.shape[1]
+        pad = -length % tp  # sequence parallelism: pad on the right (causal: changes nothing)
+        if pad:
+            context = torch.cat([context, context[:, -1:].expand(-1, pad)], dim=1)
         positions = torch.arange(context.shape[1], device=context.device).unsqueeze(0)
-        return forward_through(run, context, positions)
+        out = forward_through(run, context, positions)
+        return None if out is None else out[:, :length]
 
     out = ids
     for _ in range(tokens):

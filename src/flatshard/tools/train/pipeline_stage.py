@@ -21,6 +21,12 @@ Tied embeddings: the first stage holds ``tok_emb.weight``, the last a copy of it
 checkpoint; a tied unpipelined model reads ``tok_emb.weight`` and treats the other as its
 alias).
 
+MoE stages (``model.experts``): the same cut of ``MoEGPT`` (same attribute names). The
+routers' load-balancing loss never reaches the schedule's ``loss_fn``, which sees the logits
+only: each stage adds its own routers' share, ``aux_scale`` times their summed loss, to the
+gradient by :class:`_WithAuxGrad` on its output (identity forward; backward also sends
+gradient 1 into that share), as the unpipelined trainer's ``loss + aux`` does.
+
 The split of blocks: ``n_layers`` over ``n_stages`` as evenly as possible, the first stages
 taking one more when it does not divide (the first and last also hold the embedding and head).
 """
@@ -28,6 +34,7 @@ taking one more when it does not divide (the first and last also hold the embedd
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,6 +42,21 @@ from torch import nn
 from flatshard.models import GPT
 
 __all__ = ["GPTStage", "cu_seqlens_from_positions", "layer_split"]
+
+
+class _WithAuxGrad(torch.autograd.Function):
+    """``x`` unchanged; its backward also backpropagates gradient 1 into ``aux`` (a scalar
+    loss computed inside the stage), so it joins the step's gradient (Megatron's trick)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_like = (aux.shape, aux.dtype, aux.device)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape, dtype, device = ctx.aux_like
+        return grad, torch.ones(shape, dtype=dtype, device=device)
 
 
 def layer_split(n_layers: int, n_stages: int) -> list[range]:
@@ -75,6 +97,7 @@ class GPTStage(nn.Module):
         self.rope = copy.deepcopy(model.rope)  # buffers only: every stage needs the tables
         self.drop = copy.deepcopy(model.drop)
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layers})
+        self.aux_scale = 0.0  # MoE: the weight of this stage's routers' loss (set by the builder)
         self.norm = model.norm if last else None
         self.lm_head = model.lm_head if last else None
         if last and not first and model.config.tie_embeddings:
@@ -91,6 +114,9 @@ class GPTStage(nn.Module):
             x = self.drop(self.tok_emb(x))  # [B, T, C]
         for layer in self.layers.values():
             x = layer(x, cos, sin, cu_seqlens, max_seqlen)  # [B, T, C]
+        if self.aux_scale and torch.is_grad_enabled():
+            aux = sum(layer.moe.router.aux_loss for layer in self.layers.values())
+            x = _WithAuxGrad.apply(x, self.aux_scale * aux)
         if self.lm_head is not None:
             x = self.lm_head(self.norm(x))  # [B, T, V]
         return x

@@ -32,9 +32,11 @@ def stack(batches: list[PackedBatch]) -> tuple[torch.Tensor, torch.Tensor, torch
 
 def _run_schedule(run: Run, batches: list[PackedBatch]) -> torch.Tensor:
     """Forward and backward of the step; this rank's summed microbatch losses (0 off the last
-    stage). Every pp rank of a dp column counts the same labels: the world count is pp x."""
+    stage). Every pp and tp rank of a dp column counts the same labels: the world count is
+    pp x tp times the step's."""
     pipe = run.pipe
-    pipe.loss.global_tokens = global_token_count([b.labels for b in batches]) // run.env.pp
+    copies = run.env.pp * run.env.tp
+    pipe.loss.global_tokens = global_token_count([b.labels for b in batches]) // copies
     ids, labels, positions = stack(batches)
     args, kwargs = pipe.step_args(ids, labels)
     losses: list[torch.Tensor] = []
@@ -54,9 +56,8 @@ def pipeline_train_step(run: Run, batches: list[PackedBatch]) -> dict[str, float
     clip = run.cfg.optim.grad_clip
     max_norm = clip if clip > 0 else float("inf")
     grad_norm = fs.clip_grad_norm_(pipe.stages, max_norm, across=pipe.mesh["pp"])
-    dist.all_reduce(stats)  # the last stage's losses reach rank 0; tokens counted pp times
-    dp_world = env.world // env.pp
-    loss, norm = stats[0].item() / dp_world, grad_norm.item()
+    dist.all_reduce(stats)  # the last stage's losses reach rank 0 (tp times); tokens pp x tp
+    loss, norm = stats[0].item() / (env.dp_world * env.tp), grad_norm.item()
     skip = not (math.isfinite(loss) and math.isfinite(norm))  # global values: every rank
     if skip and run.cfg.optim.nonfinite == "error":
         raise FloatingPointError(
@@ -73,7 +74,7 @@ def pipeline_train_step(run: Run, batches: list[PackedBatch]) -> dict[str, float
     dist.all_reduce(memory, op=dist.ReduceOp.MAX)
     return {
         "loss": loss,
-        "tokens": stats[1].item() / env.pp,
+        "tokens": stats[1].item() / (env.pp * env.tp),
         "grad_norm": norm,
         "peak_mem_mb": memory.item(),
         "skipped": float(skip),

@@ -16,6 +16,7 @@ from flatshard.models import GPTConfig
 from flatshard.tools.train.config import TrainConfig
 
 __all__ = [
+    "comm",
     "default_nproc",
     "gpt_config",
     "mixed_precision",
@@ -101,3 +102,21 @@ def mixed_precision(cfg: TrainConfig) -> object | None:
         reduce_dtype=torch_dtype(p.reduce_dtype),
         output_dtype=torch.float32,  # the loss is computed in fp32
     )
+
+
+def comm(cfg: TrainConfig) -> object | None:
+    """The ``comm=`` argument of ``fs.shard`` for ``cfg.comm`` (None = the reduce-scatter)."""
+    c = cfg.comm
+    if c.error_feedback and c.reduce not in ("int8", "fp8"):
+        raise ValueError(
+            f"comm.error_feedback=true with comm.reduce={c.reduce!r}: error feedback corrects a "
+            "quantized wire; pass --comm.reduce int8 or fp8, or --comm.error_feedback false"
+        )
+    if c.error_feedback and cfg.parallel.pp > 1:
+        raise ValueError(
+            f"comm.error_feedback=true with parallelism.pp={cfg.parallel.pp}: pipeline "
+            "checkpoints cannot hold the residuals yet; pass --comm.error_feedback false"
+        )
+    if c.reduce == "fp32":
+        return None
+    return fs.Comm(reduce=c.reduce, error_feedback=c.error_feedback)

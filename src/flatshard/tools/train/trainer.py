@@ -105,6 +105,8 @@ def train_step(run: Run, batches: list[PackedBatch]) -> dict[str, float]:
         )
     if not skip:
         run.optimizer.step()
+        if run.cfg.model.float8:  # the next gathers skip their amax all-reduce (docs/float8.md)
+            fs.precompute_float8_scales(run.model)
     run.optimizer.zero_grad(set_to_none=True)
     run.scheduler.step()  # the schedule moves on either way
     memory = torch.tensor(peak_memory_mb(run.env.device), device=run.env.device)
