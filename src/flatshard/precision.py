@@ -103,13 +103,22 @@ class Comm:
     any world size. A field of ``Comm`` because it belongs to the wire format (it means
     nothing without a lossy one) and, like it, must agree on every rank (the fingerprint)."""
 
+    gather: str | None = None
+    """How a unit's parameters travel in its all-gather. ``None`` (default): in the compute
+    dtype. ``"int8"`` / ``"fp8"`` (e4m3): each rank's shard quantized blockwise (as
+    ``reduce``'s), gathered as bytes and dequantized into the compute dtype where they
+    arrive: 1 byte + 4/256 per element, for a compute dtype wider than one byte.
+    ``"bf16"``: sent as bf16 and upcast where the compute dtype is fp32 (no effect under a
+    bf16/fp16 compute dtype: ``fs.shard`` warns). Gradients are untouched. See [Note:
+    quantized weight gather] in features/quantized_gather.py."""
+
     def __post_init__(self) -> None:
         wires = {**REDUCE_WIRES, **QUANTIZED_WIRES}
-        if self.reduce is not None and (
-            not isinstance(self.reduce, str) or self.reduce not in wires
-        ):
-            choices = ", ".join(["None", *(repr(name) for name in wires)])
-            raise ValueError(f"Comm(reduce={self.reduce!r}) is unknown; choose one of {choices}")
+        for name in ("reduce", "gather"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or value not in wires):
+                choices = ", ".join(["None", *(repr(wire) for wire in wires)])
+                raise ValueError(f"Comm({name}={value!r}) is unknown; choose one of {choices}")
         if not isinstance(self.error_feedback, bool):
             raise ValueError(f"Comm(error_feedback={self.error_feedback!r}): pass True or False")
         if self.error_feedback and self.reduce not in QUANTIZED_WIRES:

@@ -22,6 +22,7 @@ from flatshard.core.masters import master_views
 from flatshard.core.params import fragment_tag, full_shape, is_fragment
 from flatshard.core.state import ShardedState, StateMode, get_state
 from flatshard.core.unit import Unit
+from flatshard.features import quantized_gather
 from flatshard.parallel.placed_state import (
     gather_placed,
     has_own_mesh,
@@ -189,6 +190,13 @@ def summon_full_params(
         raise NotImplementedError(
             "summon_full_params does not support torchao's float8 all-gather weights (they are "
             "gathered in float8); read the full weights with fs.full_state_dict(model)"
+        )
+    wire = state.stats.gather_wire  # see [Note: quantized weight gather]
+    if any(quantized_gather.applies(g, wire) for u in state.units for g in u.groups):
+        raise NotImplementedError(
+            f"summon_full_params does not support fs.Comm(gather={wire!r}) "
+            "(its full weights are dequantized approximations, and the write-back would store "
+            "them in the masters); read the full weights with fs.full_state_dict(model)"
         )
     holds_full = not rank0_only or state.topology.is_mesh_first
     with torch.no_grad():

@@ -36,6 +36,7 @@ class CommStats:
     checker: OpChecker | None = None  # debug mode: the check before every collective
     p2p: bool = True  # may Gloo groups use the point-to-point algorithms (gloo_p2p)?
     reduce_wire: str | None = None  # fs.Comm(reduce=...): how gradients travel (wire_dtype)
+    gather_wire: str | None = None  # fs.Comm(gather=...): how parameters travel
     residuals: Any = None  # fs.Comm(error_feedback=True): features/error_feedback.Residuals
 
     def record(

@@ -40,6 +40,7 @@ def build_state(
     """The units of ``plan`` over ``topology``, and the state that drives them."""
     checker = OpChecker() if switches.debug else None
     stats = CommStats(checker=checker, p2p=switches.gloo_p2p, reduce_wire=options.comm.reduce)
+    stats.gather_wire = options.comm.gather  # features/quantized_gather.py
     stats.residuals = Residuals() if options.comm.error_feedback else None  # error_feedback.py
     units, owned, slots = _build_units(model, plan, topology, stats, options)
     buckets = plan_for(options.coalesce, units, model)

@@ -8,7 +8,9 @@ so the gathered bytes land where the parameter views read them (no copy-out). A 
 coalesced units is one unit with one group per kind (see [Note: coalesced units] in
 buckets.py): no staging buffer either. The caller gets one ``PendingWork``; the ``full``
 buffer is allocated first, on the compute stream, and on CUDA the rest runs on the gather
-side stream (see [Note: streams and buffer lifetimes] in streams.py).
+side stream (see [Note: streams and buffer lifetimes] in streams.py). The one exception: a
+quantized gather (``fs.Comm(gather=...)``) travels in a buffer of its own and is decoded into
+``full`` at the wait (see [Note: quantized weight gather] in features/quantized_gather.py).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from flatshard.comm.collectives import CommStats, PendingWork, all_gather_into
 from flatshard.core.flat_group import FlatGroup
 from flatshard.core.mesh import Topology
 from flatshard.core.streams import on_side_stream
-from flatshard.features import float8
+from flatshard.features import float8, quantized_gather
 
 
 def start_gather(group: FlatGroup, topo: Topology, stats: CommStats, label: str) -> PendingWork:
@@ -32,6 +34,8 @@ def _gather_one(group: FlatGroup, topo: Topology, stats: CommStats, label: str) 
     full = group.full.data
     if topo.shard_group is None:  # a group of one: the shard is the whole buffer
         return all_gather_into(full, send_shard(group, stats), None, stats, label)
+    if quantized_gather.applies(group, stats.gather_wire):  # see its [Note]
+        return quantized_gather.start(group, topo, stats, label)
     own = full.view(group.world, group.shard_numel)[group.rank]
     with on_side_stream(topo.streams, "gather"):
         write_send_shard(group, own, stats)

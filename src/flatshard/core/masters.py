@@ -5,7 +5,8 @@ Under mixed precision a unit gathers its shards cast to ``param_dtype`` (bf16): 
 buffer the forward computes with is a rounded copy. Anything that writes parameters out
 (``fs.full_state_dict``, ``fs.export_safetensors``, ``fs.save_pretrained``) must write the
 fp32 masters instead, so it gathers the shards as they are, into a temporary buffer. Without
-mixed precision the compute buffer *is* the master copy and the usual gather serves.
+mixed precision the compute buffer *is* the master copy and the usual gather serves, unless
+the gather is quantized (``fs.Comm(gather=...)``: [Note: quantized weight gather]).
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ import torch
 from flatshard.comm.collectives import all_gather_into
 from flatshard.core.state import ShardedState
 from flatshard.core.unit import ParamState, Unit
+from flatshard.features.quantized_gather import applies
 
 
 @contextmanager
 def master_views(state: ShardedState, unit: Unit) -> Iterator[list[list[torch.Tensor]]]:
     """Per flat group of ``unit``, full-shape views of its parameters in the stored dtype,
     valid inside the block. Every rank of the unit's shard group must enter it (it gathers)."""
-    if all(g.compute_dtype == g.dtype for g in unit.groups):
+    wire = unit.stats.gather_wire  # a quantized gather's buffer is not the masters either
+    if all(g.compute_dtype == g.dtype and not applies(g, wire) for g in unit.groups):
         was_sharded = unit.state is ParamState.SHARDED
         state.ensure_gathered(unit)
         try:

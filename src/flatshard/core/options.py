@@ -18,6 +18,7 @@ from flatshard.core.meta_init import InitFn, has_meta, model_init_fn
 from flatshard.core.state import STATE_ATTR
 from flatshard.core.strategy import ShardingStrategy, reshards_after_forward
 from flatshard.offload import CPUOffload
+from flatshard.parallel.tensor import spec_of
 from flatshard.precision import LOW_PRECISION, Comm, MixedPrecision
 from flatshard.prefetch import Prefetch
 
@@ -96,6 +97,7 @@ def parse_options(
             stacklevel=3,
         )
     comm = _comm(comm, parsed, mixed_precision)
+    _check_gather(model, comm, parsed, mixed_precision, offload)
     prefetch = prefetch if prefetch is not None else Prefetch()
     timeout = _timeout(timeout_s)
     if init_fn is None and has_meta(model):
@@ -147,6 +149,45 @@ def _comm(comm: Comm | None, strategy: ShardingStrategy, mp: MixedPrecision | No
             stacklevel=4,
         )
     return comm
+
+
+def _check_gather(
+    model: nn.Module,
+    comm: Comm,
+    strategy: ShardingStrategy,
+    mp: MixedPrecision | None,
+    offload: CPUOffload | None,
+) -> None:
+    """``comm.gather`` refused where its path is not built, warned where it changes nothing
+    (see [Note: quantized weight gather] in features/quantized_gather.py)."""
+    if comm.gather is None:
+        return
+    asked = f"fs.shard(comm=fs.Comm(gather={comm.gather!r}))"
+    if offload is not None and offload.params:
+        raise ValueError(
+            f"{asked} with fs.CPUOffload(params=True): the quantized gather of offloaded "
+            "shards is not supported; drop offload= or pass gather=None"
+        )
+    tp = next((n for n, p in model.named_parameters() if spec_of(p) is not None), None)
+    if tp is not None:
+        raise ValueError(
+            f"{asked}: parameter {tp!r} is tensor-parallel, which the quantized gather does "
+            "not support; pass gather=None"
+        )
+    compute = mp.param_dtype if mp is not None else None
+    if strategy is ShardingStrategy.NO_SHARD or (
+        comm.gather == "bf16" and compute in LOW_PRECISION
+    ):
+        why = (
+            "no_shard gathers nothing"
+            if strategy is ShardingStrategy.NO_SHARD
+            else f"parameters already travel in param_dtype={compute}"
+        )
+        warnings.warn(
+            f"{asked} has no effect: {why}; 'bf16' applies to an fp32 compute dtype, "
+            "'int8'/'fp8' to any, under a sharded strategy",
+            stacklevel=4,
+        )
 
 
 def _check_model(model) -> None:

@@ -235,7 +235,8 @@ class PrecisionConfig:
 
 @dataclass(frozen=True)
 class CommConfig:
-    """How gradients travel in the reduction (fs.Comm, docs/low_precision.md)."""
+    """How gradients travel in the reduction, and parameters in the all-gather (fs.Comm,
+    docs/low_precision.md)."""
 
     reduce: str = "fp32"
     """Gradient wire format: fp32 (the reduce-scatter in precision.reduce_dtype), bf16 (an
@@ -245,8 +246,14 @@ class CommConfig:
     """With comm.reduce int8/fp8: carry each rank's quantization error into the next step
     (checkpointed with the model)."""
 
+    gather: str = "none"
+    """Parameter all-gather wire format: none (the compute dtype), bf16 (sent as bf16 where
+    the compute dtype is fp32), int8 or fp8 (quantized in 256-element blocks with one fp32
+    scale each, dequantized into the compute dtype where they arrive)."""
+
     def __post_init__(self) -> None:
         _choice("comm.reduce", self.reduce, ("fp32", "bf16", "fp8", "int8"))
+        _choice("comm.gather", self.gather, ("none", "bf16", "fp8", "int8"))
         if not isinstance(self.error_feedback, bool):
             raise TypeError(f"comm.error_feedback={self.error_feedback!r} must be true or false")
 

@@ -105,7 +105,8 @@ def mixed_precision(cfg: TrainConfig) -> object | None:
 
 
 def comm(cfg: TrainConfig) -> object | None:
-    """The ``comm=`` argument of ``fs.shard`` for ``cfg.comm`` (None = the reduce-scatter)."""
+    """The ``comm=`` argument of ``fs.shard`` for ``cfg.comm`` (None = the reduce-scatter and
+    the all-gather in their dtypes)."""
     c = cfg.comm
     if c.error_feedback and c.reduce not in ("int8", "fp8"):
         raise ValueError(
@@ -117,6 +118,8 @@ def comm(cfg: TrainConfig) -> object | None:
             f"comm.error_feedback=true with parallelism.pp={cfg.parallel.pp}: pipeline "
             "checkpoints cannot hold the residuals yet; pass --comm.error_feedback false"
         )
-    if c.reduce == "fp32":
+    gather = None if c.gather == "none" else c.gather
+    if c.reduce == "fp32" and gather is None:
         return None
-    return fs.Comm(reduce=c.reduce, error_feedback=c.error_feedback)
+    reduce = None if c.reduce == "fp32" else c.reduce
+    return fs.Comm(reduce=reduce, error_feedback=c.error_feedback, gather=gather)
