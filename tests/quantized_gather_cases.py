@@ -14,8 +14,7 @@ from torch import nn
 import flatshard as fs
 from flatshard.comm import quantize
 from flatshard.core.state import get_state
-
-GLOBAL_BATCH = 12  # divisible by 2 and 3
+from quantized_grads_cases import _local_batch  # the same global batch at any world
 
 
 class Capture(torch.autograd.Function):
@@ -106,14 +105,6 @@ def _bound(x: torch.Tensor, scales: torch.Tensor, fmt: str, compute: torch.dtype
     if compute is torch.bfloat16:  # round to nearest bf16 of |value| <= |x| + bound
         bound = bound + (x.abs() + bound) * 2.0**-8
     return bound
-
-
-def _local_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(step)
-    x, y = torch.randn(GLOBAL_BATCH, 24, generator=g), torch.randn(GLOBAL_BATCH, 8, generator=g)
-    per = GLOBAL_BATCH // dist.get_world_size()
-    mine = slice(dist.get_rank() * per, (dist.get_rank() + 1) * per)
-    return x[mine], y[mine]
 
 
 def train(gather: str | None, steps: int = 4) -> dict:

@@ -51,6 +51,15 @@ def run_stream_cases(cases: list[tuple[str, str, str, tuple]]) -> dict[str, dict
     return out
 
 
+def assert_clean(r: dict, rank: int, label: str) -> None:
+    """One case's result on one rank: it ran, with no stream violation, no NCCL-semantics
+    violation and no collective left unwaited."""
+    assert r["error"] is None, f"{label} rank {rank}:\n{r['error']}"
+    assert r["streams"] == [], f"{label} rank {rank}:\n" + "\n".join(r["streams"])
+    assert r["report"]["violations"] == [], (label, rank, r["report"]["violations"])
+    assert r["report"]["never_waited"] == [], (label, rank, r["report"]["never_waited"])
+
+
 # ---- misuses the backend must catch ------------------------------------------------------------
 def _world() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()

@@ -125,14 +125,11 @@ def test_trainer_runs_with_an_int8_gather(tmp_path):
 def test_nccl_path_runs_clean(strict_pools):  # noqa: F811
     """The device path (``strict_async``: NCCL's semantics, virtual streams): the received
     buffer and the decode at the wait obey [Note: streams and buffer lifetimes]."""
-    from stream_cases import run_stream_cases
+    from stream_cases import assert_clean, run_stream_cases
 
     jobs = [("train", "quantized_gather_cases", "train", ("int8",))]
     for rank, per_label in enumerate(strict_pools(2).run(run_stream_cases, jobs, timeout=600)):
         for label, r in per_label.items():
-            assert r["error"] is None, f"{label} rank {rank}:\n{r['error']}"
-            assert r["streams"] == [], (label, rank, r["streams"])
-            assert r["report"]["violations"] == [], (label, rank, r["report"]["violations"])
-            assert r["report"]["never_waited"] == [], (label, rank, r["report"]["never_waited"])
+            assert_clean(r, rank, label)
             assert r["result"]["same"], (label, rank)
             assert r["collectives"].get("side", 0) > 0, r["collectives"]

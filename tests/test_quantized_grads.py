@@ -98,7 +98,7 @@ def test_nccl_path_and_hybrid_run_clean(strict_pools):  # noqa: F811
     """The device path (``strict_async``: NCCL's semantics, virtual streams), int8 with error
     feedback: full_shard and hybrid_shard (2x2: the quantized all-to-all over the shard
     group, then the fp32 all-reduce over the replicas), close to fp32, no violation."""
-    from stream_cases import run_stream_cases
+    from stream_cases import assert_clean, run_stream_cases
 
     jobs = [
         (s, "quantized_grads_cases", "step_parity", ("int8", True, s))
@@ -106,10 +106,7 @@ def test_nccl_path_and_hybrid_run_clean(strict_pools):  # noqa: F811
     ]
     for rank, per_label in enumerate(strict_pools(4).run(run_stream_cases, jobs, timeout=600)):
         for label, r in per_label.items():
-            assert r["error"] is None, f"{label} rank {rank}:\n{r['error']}"
-            assert r["streams"] == [], (label, rank, r["streams"])
-            assert r["report"]["violations"] == [], (label, rank, r["report"]["violations"])
-            assert r["report"]["never_waited"] == [], (label, rank, r["report"]["never_waited"])
+            assert_clean(r, rank, label)
             assert 0 < r["result"]["err"] < 0.01, (label, rank, r["result"]["err"])
             assert r["result"]["bytes"]["all_to_all"] == r["result"]["expected"], (label, rank)
             assert r["collectives"].get("side", 0) > 0, r["collectives"]

@@ -66,7 +66,7 @@ def test_nccl_path_and_hybrid_run_clean(strict_pools):  # noqa: F811
     """The device path (``strict_async``: NCCL's semantics, virtual streams): full_shard and
     hybrid_shard (2x2: the all-to-all over the shard group, then the fp32 all-reduce over
     the replicas, issued behind it on the reduce stream), each exact and with no violation."""
-    from stream_cases import run_stream_cases
+    from stream_cases import assert_clean, run_stream_cases
 
     jobs = [
         ("full_shard", "reduce_wire_cases", "parity", ("full_shard",)),
@@ -74,10 +74,7 @@ def test_nccl_path_and_hybrid_run_clean(strict_pools):  # noqa: F811
     ]
     for rank, per_label in enumerate(strict_pools(4).run(run_stream_cases, jobs, timeout=600)):
         for label, r in per_label.items():
-            assert r["error"] is None, f"{label} rank {rank}:\n{r['error']}"
-            assert r["streams"] == [], (label, rank, r["streams"])
-            assert r["report"]["violations"] == [], (label, rank, r["report"]["violations"])
-            assert r["report"]["never_waited"] == [], (label, rank, r["report"]["never_waited"])
+            assert_clean(r, rank, label)
             _check_parity([r["result"]], SUM_ORDER)
             assert r["collectives"].get("side", 0) > 0, r["collectives"]
 

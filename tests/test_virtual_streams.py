@@ -30,6 +30,7 @@ import stream_cases
 from nccl_pool import strict_pools  # noqa: F401 (the fixture)
 from nccl_slice import SLICE
 from stream_cases import EXTRA, MISUSES, SLICE_LABELS, run_stream_cases
+from stream_cases import assert_clean as _clean
 
 _SLICE = {(s.world, s.label): s for s in SLICE}
 
@@ -44,13 +45,6 @@ def backend(strict_pools):  # noqa: F811
     jobs += [_job("correct", "correct_program"), _job("no wait_stream", "mutant_no_wait_stream")]
     jobs += [_job("old then_issue", "mutant_drops_first_buffers")]
     return strict_pools(4).run(run_stream_cases, jobs)
-
-
-def _clean(r: dict, rank: int, label: str) -> None:
-    assert r["error"] is None, f"{label} rank {rank}:\n{r['error']}"
-    assert r["streams"] == [], f"{label} rank {rank}:\n" + "\n".join(r["streams"])
-    assert r["report"]["violations"] == [], (label, rank, r["report"]["violations"])
-    assert r["report"]["never_waited"] == [], (label, rank, r["report"]["never_waited"])
 
 
 # ---- (a) the backend ---------------------------------------------------------------------------
