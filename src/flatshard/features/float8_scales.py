@@ -7,6 +7,7 @@ model's state (``core/state.py``), which imports the gather path that ``float8.p
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -16,6 +17,7 @@ from flatshard.core.state import get_state
 from flatshard.features.float8 import global_amax, require_torchao, to_scales
 
 _STALE_HOOK: list = []  # the optimizer-step hook, registered once (see _forget_after_steps)
+_SCALED: weakref.WeakSet = weakref.WeakSet()  # the fragments that carry a precomputed scale
 
 
 @torch.no_grad()
@@ -23,9 +25,9 @@ def precompute_float8_scales(model: nn.Module) -> None:
     """After ``opt.step()``: each float8 weight's scale from its global amax, left on its
     fragment as torchao's ``_precomputed_scale`` so that the next gathers skip the per-unit
     amax all-reduce (one all-reduce per shard group of the model). Every rank must call it.
-    The scales hold until the next ``optimizer.step()`` of any optimizer over those fragments:
-    the step forgets them (the gathers then all-reduce their amax again, every rank alike), so
-    a scale is never stale after a step. After ``fs.load``, call it again."""
+    The scales hold until the next ``optimizer.step()`` (of any optimizer): the step forgets
+    them (the gathers then all-reduce their amax again, every rank alike), so a scale is never
+    stale after a step. After ``fs.load``, call it again."""
     require_torchao("fs.precompute_float8_scales")
     _forget_after_steps()
     state = get_state(model)
@@ -40,19 +42,21 @@ def precompute_float8_scales(model: nn.Module) -> None:
         scales = to_scales(amax, [d for _, d in items])
         for (fragment, _), scale in zip(items, scales, strict=True):
             fragment._precomputed_scale = scale
+            _SCALED.add(fragment)
 
 
 def _forget(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if getattr(p, "_precomputed_scale", None) is not None:
-                p._precomputed_scale = None
+    """Drop every precomputed scale: O(float8 weights) once after a precompute, O(1) on the
+    steps between (no loop over an optimizer's parameters on every step)."""
+    for fragment in list(_SCALED):
+        fragment._precomputed_scale = None
+    _SCALED.clear()
 
 
 def _forget_after_steps() -> None:
-    """Once per process: every optimizer step drops the precomputed scales of the fragments
-    it stepped (a scale from before the step would quantize the new weights with the old
-    amax: saturated values, silently). Every rank steps, so every rank forgets alike."""
+    """Once per process: every optimizer step drops the precomputed scales (a scale from
+    before the step would quantize the new weights with the old amax: saturated values,
+    silently). Every rank steps, so every rank forgets alike."""
     if not _STALE_HOOK:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
