@@ -1,6 +1,8 @@
 """Context parallelism against a single process: the cases behind tests/test_train_cp.py.
 
-World 4 = dp 2 x cp 2 (cp ranks consecutive, as the trainer lays them out). The reference GPT
+World 4 = dp 2 x cp 2, or dp 1 x cp 4 (cp ranks consecutive, as the trainer lays them out;
+cp 4 is where a ring's direction matters: at cp 2 a rank's next and previous peers are the
+same), with the ring or the all-gather attention. The reference GPT
 (grouped-query attention, RoPE) is made context-parallel with
 ``flatshard.models.context_parallel.attach`` and sharded by ``fs.shard`` over all four ranks
 (the flattened dp x cp mesh). Each dp rank reads its own packed micro-batch (several documents
@@ -30,7 +32,7 @@ from flatshard.models.context_parallel import attach, split_rows
 from flatshard.packing import collate, global_token_count
 from flatshard.tools.train.cp_plan import cp_logits, local_batch
 
-CP, SEQ, ROWS, VOCAB, STEPS, PAD = 2, 32, 2, 40, 3, 0
+SEQ, ROWS, VOCAB, STEPS, PAD = 32, 2, 40, 3, 0
 OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.5, momentum=0.9),
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
@@ -55,17 +57,19 @@ def _token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return flat.view(labels.shape)
 
 
-def case_cp_matches_single_process(optimizer: str, dtype_name: str) -> dict:
+def case_cp_matches_single_process(
+    optimizer: str, dtype_name: str, cp: int = 2, attention: str = "ring"
+) -> dict:
     dtype = getattr(torch, dtype_name)
     rank, world = dist.get_rank(), dist.get_world_size()
-    dp, cp_rank, dp_rank = world // CP, rank % CP, rank // CP
+    dp, cp_rank, dp_rank = world // cp, rank % cp, rank // cp
     config = GPTConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                        max_seq_len=SEQ)  # fmt: skip
     torch.manual_seed(0)
     reference = GPT(config).to(dtype)
     model = copy.deepcopy(reference)
-    mesh = init_device_mesh("cpu", (dp, CP), mesh_dim_names=("dp", "cp"))
-    context = attach(model, mesh["cp"].get_group())
+    mesh = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp"))
+    context = attach(model, mesh["cp"].get_group(), attention)
     model = fs.shard(model, policy=fs.wrap.by_type(Block))  # over all ranks: dp x cp
     opt, ref_opt = (
         OPTIMIZERS[optimizer](model.parameters()),
@@ -73,9 +77,9 @@ def case_cp_matches_single_process(optimizer: str, dtype_name: str) -> dict:
     )
     errors = {"own_tokens": 0.0, "loss": 0.0, "grad_norm": 0.0}
     for step in range(STEPS):
-        mine = local_batch(_batch(step, dp_rank), CP, cp_rank)
+        mine = local_batch(_batch(step, dp_rank), cp, cp_rank)
         targets = global_token_count(mine.labels)  # each token on exactly one rank
-        logits = cp_logits(model, context, mine)  # [ROWS, SEQ / CP, V]
+        logits = cp_logits(model, context, mine)  # [ROWS, SEQ / cp, V]
         # packed_cross_entropy's normalisation (world * own sum / global count), in float64:
         # it computes in float32, which would hide a 1e-8 error here
         own = _token_losses(logits, mine.labels).sum()
@@ -101,7 +105,7 @@ def case_cp_matches_single_process(optimizer: str, dtype_name: str) -> dict:
         ref_opt.zero_grad(set_to_none=True)
 
         my_rows = ref_tokens.detach()[dp_rank * ROWS : (dp_rank + 1) * ROWS]
-        ref_own = split_rows(my_rows, CP, cp_rank).sum()
+        ref_own = split_rows(my_rows, cp, cp_rank).sum()
         for key, got, want in (("own_tokens", own_sum, ref_own),
                                ("loss", global_loss / world, ref_loss.detach()),
                                ("grad_norm", norm, ref_norm)):  # fmt: skip

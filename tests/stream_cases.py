@@ -353,6 +353,15 @@ def tensor_parallel(name: str) -> list[dict]:
     return run_specs([dict(CASES[name], name=name, engine="flatshard", optim="sgd")])
 
 
+def context_parallel(cp: int, attention: str) -> dict:
+    """Context parallelism (test_train_cp's library case, float64, SGD, 3 steps against one
+    process): the ring's point-to-point hops or the all-gather on this pool's backend."""
+    import cp_cases
+
+    with _strict_meshes(cp_cases):
+        return cp_cases.case_cp_matches_single_process("sgd", "float64", cp, attention)
+
+
 # ---- mutants: flatshard with a stream rule broken ----------------------------------------------
 def mutant_no_wait_stream() -> dict:
     """flatshard whose ``on_side_stream`` skips ``wait_stream``: the side stream would read the
@@ -422,4 +431,6 @@ EXTRA = [  # (world, label, function here, args, slow)
     (2, "compiled compile_after", "compiled", ("compile_after",), True),
     (2, "compiled wrap_before", "compiled", ("wrap_before",), True),
     *[(4, f"tp {name}", "tensor_parallel", (name,), True) for name in TP_SLOW],
+    (4, "cp ring 4", "context_parallel", (4, "ring"), False),
+    (4, "cp allgather 2", "context_parallel", (2, "allgather"), True),
 ]

@@ -1,9 +1,11 @@
 """Context parallelism: ``flatshard train --parallelism.cp N`` and the GPT's cp attention.
 
-* The library: at dp 2 x cp 2 (world 4, ``tests/cp_cases.py``) the GPT with its head-tail
-  split rows, all-gathered keys and values and ``fs.shard`` over all ranks trains exactly like
-  one process on the whole batch (float64, SGD and AdamW; every rank checks its own tokens'
-  losses, the global loss and gradient norm; rank 0 the full parameters).
+* The library: at dp 2 x cp 2 and dp 1 x cp 4 (world 4, ``tests/cp_cases.py``) the GPT with its
+  head-tail split rows, ring (or all-gathered) keys and values and ``fs.shard`` over all ranks
+  trains exactly like one process on the whole batch (float64, SGD and AdamW; every rank checks
+  its own tokens' losses, the global loss and gradient norm; rank 0 the full parameters).
+* Ring attention alone at cp 3 (``tests/ring_cases.py``): outputs and query, key and value
+  gradients against SDPA over the whole row, in float64, fp32 and bf16.
 * The trainer: ``--parallelism.cp 2`` on 4 ranks, checkpointed at step 2 and resumed to step
   3, gives the per-step losses, gradient norms, token counts and validation loss of
   ``--parallelism.cp 1`` on 2 ranks (the same global batch, fp32, no dropout).
@@ -28,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
 from fault_common import run_train, write_inputs
 
 from cp_cases import case_cp_matches_single_process
+from ring_cases import case_ring_matches_whole_row
 
 RUN = [
     "--model.dropout", "0",  # dropout masks depend on the rank layout: off for parity
@@ -49,14 +52,28 @@ def test_head_tail_split_pairs_early_and_late_chunks():
         head_tail_indices(10, 2, 0)
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-def test_dp2_cp2_equals_one_process(dist_pools, optimizer):
-    results = dist_pools(4).run(case_cp_matches_single_process, optimizer, "float64")
+@pytest.mark.parametrize(
+    ("optimizer", "cp", "attention"),
+    [("sgd", 2, "ring"), ("adamw", 2, "ring"), ("sgd", 4, "ring"), ("sgd", 2, "allgather")],
+)
+def test_cp_equals_one_process(dist_pools, optimizer, cp, attention):
+    results = dist_pools(4).run(case_cp_matches_single_process, optimizer, "float64", cp, attention)
     assert "params" in results[0] and results[0]["param_count"] > 0
     for rank, errors in enumerate(results):
         for key in ("own_tokens", "loss", "grad_norm", "params"):
             if key in errors:
                 assert errors[key] < 1e-10, (rank, key, errors)
+
+
+# bound per dtype: float64 is exact to rounding; fp32 and bf16 carry their inputs' rounding
+RING_BOUNDS = {"float64": 1e-12, "float32": 1e-5, "bfloat16": 3e-2}
+
+
+@pytest.mark.parametrize("dtype", list(RING_BOUNDS))
+def test_ring_attention_cp3_equals_whole_row(dist_pools, dtype):
+    for rank, errors in enumerate(dist_pools(3).run(case_ring_matches_whole_row, dtype)):
+        for key, error in errors.items():
+            assert error < RING_BOUNDS[dtype], (rank, key, errors)
 
 
 @pytest.mark.slow  # three launches of the trainer (cp 2, its resume, cp 1): the slow pass
@@ -89,6 +106,11 @@ def test_cp_is_a_parallelism_flag():
     assert cfg.parallel.cp == 2 and parse_config([])[0].parallel.cp == 1
     with pytest.raises(ValueError, match=r"parallel.cp=0 must be >= 1"):
         ParallelConfig(cp=0)
+    assert parse_config([])[0].parallel.cp_attention == "ring"
+    cfg, _ = parse_config(["--parallelism.cp_attention", "allgather"])
+    assert cfg.parallel.cp_attention == "allgather"
+    with pytest.raises(ValueError, match=r"parallel.cp_attention='flash'"):
+        ParallelConfig(cp_attention="flash")
 
 
 @pytest.mark.parametrize(

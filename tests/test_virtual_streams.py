@@ -194,8 +194,17 @@ def _compiled(results: list, label: str) -> None:
         assert r["graphs"] == 1 and r["breaks"] == 0, (label, r)  # compiled, not eager
 
 
+def _context_parallel(results: list, label: str) -> None:
+    assert "params" in results[0], (label, results[0])  # rank 0 compared the full parameters
+    for r in results:
+        assert max(r[k] for k in ("own_tokens", "loss", "grad_norm", "params") if k in r) < 1e-10, (
+            label,
+            r,
+        )
+
+
 CHECKS = {"prefetch": _prefetch, "fsdp2": _fsdp2, "pipeline": _pipeline, "experts": _experts,
-          "tp": _tensor_parallel, "compiled": _compiled}  # fmt: skip
+          "tp": _tensor_parallel, "compiled": _compiled, "cp": _context_parallel}  # fmt: skip
 
 
 def test_the_lists_name_existing_cases():

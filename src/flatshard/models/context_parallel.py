@@ -7,20 +7,28 @@ far more keys than an early one, so pairing the ``r``-th earliest with the ``r``
 every rank the same attention work. Everything per token (embedding, MLP, norms, the loss) is
 local; only attention crosses ranks:
 
-* **Keys and values are all-gathered** over the cp group (:class:`_GatherKeys`, autograd-aware:
-  the backward sums every rank's gradient for a key and hands each rank the part of its own
-  keys), so each rank attends its ``T / cp`` queries to all ``T`` keys.
-* **The causal mask comes from global positions**, not from local offsets: the gathered keys
-  arrive in rank order (rank 0's two chunks, then rank 1's, ...), so key ``j`` sits at row
-  position ``key_positions[j]`` and query ``i`` at ``head_tail_indices(...)[i]``; key ``j`` is
+* **Keys and values cross the cp group** (below: a ring, or an all-gather), so each rank
+  attends its ``T / cp`` queries to all ``T`` keys.
+* **The causal mask comes from global positions**, not from local offsets: a rank's keys sit at
+  row positions ``head_tail_indices(T, cp, rank)``, its queries likewise; key ``j`` is
   visible to query ``i`` when its position is not later and it belongs to the same document
   (packed rows carry several; padding is a document of its own). This is the 1-D causal,
   per-document attention exactly, only computed in another order.
 * **RoPE** uses the tokens' positions in their documents, sliced like the tokens (the caller
   passes them as ``position_ids``).
 
-The extra memory is ``K`` and ``V`` of a whole row and one ``[T / cp, T]`` mask per rank; a ring
-(one peer's keys at a time) would avoid the gather, at the price of ``cp`` rounds per layer.
+Two ways to attend across the group (``ContextParallel(group, attention=...)``):
+
+* ``"ring"`` (the default, :mod:`flatshard.models.ring_attention`): one peer's keys and values
+  at a time, passed around the group while the previous block computes, merged by running
+  softmax statistics; ``cp`` rounds per layer, one ``[t, t]`` score block and two key/value
+  buffers in flight (``t = T / cp``): memory that does not grow with the row.
+* ``"allgather"``: the whole row's keys and values gathered at once (:class:`_GatherKeys`) and
+  one SDPA call of the ``[t, T]`` mask: fewer, larger messages, and memory that grows with
+  ``T``.
+
+Both apply the same mask: key ``j`` visible to query ``i`` when its row position is not later
+and it belongs to the same document.
 """
 
 from __future__ import annotations
@@ -33,10 +41,21 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from flatshard.models.ring_attention import RingLayout, ring_attention
+
 # torch 2.13 renames all_gather_into_tensor (deprecated there); older torch has only that name
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-__all__ = ["ContextParallel", "attach", "context_parallel_of", "head_tail_indices", "split_rows"]
+__all__ = [
+    "ATTENTIONS",
+    "ContextParallel",
+    "attach",
+    "context_parallel_of",
+    "head_tail_indices",
+    "split_rows",
+]
+
+ATTENTIONS = ("ring", "allgather")  # how keys cross the cp group (see the note)
 
 
 def head_tail_indices(seq_len: int, cp: int, rank: int, device: torch.device | None = None):
@@ -89,14 +108,20 @@ class ContextParallel:
     their ordinary full-sequence attention (e.g. for generation, every rank the whole context).
     """
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup, attention: str = "ring") -> None:
+        if attention not in ATTENTIONS:
+            raise ValueError(
+                f"attention={attention!r} is not a context-parallel attention; pass one of "
+                f"{', '.join(map(repr, ATTENTIONS))}"
+            )
+        self.group, self.attention = group, attention
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.mask: torch.Tensor | None = None  # [B, 1, t, T] while attending
+        self.mask: torch.Tensor | None = None  # [B, 1, t, T] while attending ("allgather")
+        self.layout: RingLayout | None = None  # while attending ("ring")
 
     @property
     def active(self) -> bool:
-        return self.mask is not None
+        return self.mask is not None or self.layout is not None
 
     @contextmanager
     def attending(self, document_ids: torch.Tensor) -> Iterator[None]:
@@ -104,21 +129,28 @@ class ContextParallel:
         rank's tokens' documents (head-tail split, ``-1`` padding), one small all-gather."""
         t = document_ids.shape[1]
         T, device = t * self.cp, document_ids.device
-        q_pos = head_tail_indices(T, self.cp, self.rank, device)  # [t]
-        k_pos = torch.cat([head_tail_indices(T, self.cp, r, device) for r in range(self.cp)])
+        positions = [head_tail_indices(T, self.cp, r, device) for r in range(self.cp)]
         with torch.no_grad():
             k_doc = _GatherKeys.apply(document_ids, self.group)  # [B, T] in rank order
-        causal = k_pos[None, :] <= q_pos[:, None]  # [t, T]
-        same_doc = document_ids[:, :, None] == k_doc[:, None, :]  # [B, t, T]
-        self.mask = (causal & same_doc).unsqueeze(1)  # [B, 1, t, T]
+        if self.attention == "ring":
+            documents = list(k_doc.split(t, dim=1))  # [B, t] per cp rank
+            self.layout = RingLayout(self.group, self.rank, self.cp, positions, documents)
+        else:
+            q_pos, k_pos = positions[self.rank], torch.cat(positions)  # [t], [T]
+            causal = k_pos[None, :] <= q_pos[:, None]  # [t, T]
+            same_doc = document_ids[:, :, None] == k_doc[:, None, :]  # [B, t, T]
+            self.mask = (causal & same_doc).unsqueeze(1)  # [B, 1, t, T]
         try:
             yield
         finally:
-            self.mask = None
+            self.mask = self.layout = None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q [B, t, H, D]``, ``k``/``v [B, t, KV, D]`` (this rank's tokens, RoPE applied) ->
         ``[B, t, H, D]``: this rank's queries over the whole row's keys."""
+        if self.layout is not None:
+            y = ring_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.layout)
+            return y.transpose(1, 2)  # [B, t, H, D]
         k_all = _GatherKeys.apply(k, self.group)  # [B, T, KV, D]
         v_all = _GatherKeys.apply(v, self.group)  # [B, T, KV, D]
         y = F.scaled_dot_product_attention(
@@ -131,12 +163,13 @@ class ContextParallel:
         return y.transpose(1, 2)  # [B, t, H, D]
 
 
-def attach(model: nn.Module, group: dist.ProcessGroup) -> ContextParallel:
+def attach(model: nn.Module, group: dist.ProcessGroup, attention: str = "ring") -> ContextParallel:
     """Make every :class:`~flatshard.models.block.Attention` of ``model`` context-parallel over
-    ``group`` (one shared :class:`ContextParallel`, returned). Call before ``fs.shard``."""
+    ``group`` (one shared :class:`ContextParallel`, returned; ``attention``: ``"ring"`` or
+    ``"allgather"``, see the note). Call before ``fs.shard``."""
     from flatshard.models.block import Attention
 
-    cp = ContextParallel(group)
+    cp = ContextParallel(group, attention)
     found = [m for m in model.modules() if isinstance(m, Attention)]
     if not found:
         raise TypeError(

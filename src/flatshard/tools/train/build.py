@@ -133,7 +133,7 @@ def build_model(cfg: TrainConfig, env: Env, vocab_needed: int = 258) -> GPT:
     if env.cp > 1:  # see [Note: the trainer's (dp, cp) layout]; fs.shard over all ranks
         from flatshard.tools.train.cp_plan import parallelize
 
-        parallelize(model, env.device.type, env.world, env.cp)
+        parallelize(model, env.device.type, env.world, env.cp, cfg.parallel.cp_attention)
     return fs.shard(
         convert_model(model, cfg, env.device),
         policy=fs.wrap.by_type(Block),

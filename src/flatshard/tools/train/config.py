@@ -197,9 +197,13 @@ class ParallelConfig:
     cp: int = 1
     """Context-parallel degree (--parallelism.cp N): each group of N consecutive ranks reads
     the same rows and splits every row's tokens over its ranks, head-tail balanced (chunks r
-    and 2N-1-r of 2N); attention all-gathers keys and values over the group, masked by global
+    and 2N-1-r of 2N); attention spans the group (parallel.cp_attention), masked by global
     positions and documents. fs.shard shards over all ranks (dp x cp). The GPT only, without
     tp, pp or ep; data.seq_len must divide by 2N (docs/parallelism.md)."""
+    cp_attention: str = "ring"
+    """How keys and values cross the cp group: ring (one peer's at a time, passed around the
+    group while the previous block computes: memory that does not grow with the row) or
+    allgather (the whole row's at once: fewer, larger messages)."""
 
     def __post_init__(self) -> None:
         _int("parallel.nproc", self.nproc, 0)
@@ -214,6 +218,7 @@ class ParallelConfig:
         _int("parallel.stages_per_rank", self.stages_per_rank, 0)
         _int("parallel.ep", self.ep, 1)
         _int("parallel.cp", self.cp, 1)
+        _choice("parallel.cp_attention", self.cp_attention, ("ring", "allgather"))
         if not isinstance(self.loss_parallel, bool):
             raise TypeError(f"parallel.loss_parallel={self.loss_parallel!r} must be true or false")
 

@@ -4,7 +4,8 @@
 With ``parallel.cp = N > 1`` the ``world`` ranks form a mesh ``("dp", "cp")`` of shape
 ``(world // N, N)``; the ranks of one cp group are consecutive. The GPT's attention is made
 context-parallel over ``mesh["cp"]`` (:func:`flatshard.models.context_parallel.attach`, see
-[Note: head-tail context parallelism] there) and ``fs.shard`` shards over *all* ``world`` ranks:
+[Note: head-tail context parallelism] there; ``parallel.cp_attention`` picks the ring or the
+all-gather) and ``fs.shard`` shards over *all* ``world`` ranks:
 the flattened dp x cp mesh, as torchtitan does. That is exact because every parameter's
 gradient is a sum over tokens, and the cp ranks hold disjoint tokens.
 
@@ -69,13 +70,16 @@ def check_cp(cfg: TrainConfig, world: int) -> None:
         )
 
 
-def parallelize(model: nn.Module, device_type: str, world: int, cp: int) -> ContextParallel:
+def parallelize(
+    model: nn.Module, device_type: str, world: int, cp: int, attention: str = "ring"
+) -> ContextParallel:
     """Make ``model``'s attention context-parallel over its cp group of the ``("dp", "cp")``
-    mesh (every rank calls this: building the mesh is collective). Before ``fs.shard``."""
+    mesh (every rank calls this: building the mesh is collective), by ``attention``
+    (``parallel.cp_attention``). Before ``fs.shard``."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device_type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
-    return attach(model, mesh["cp"].get_group())
+    return attach(model, mesh["cp"].get_group(), attention)
 
 
 def local_batch(batch: PackedBatch, cp: int, rank: int) -> PackedBatch:
