@@ -4,18 +4,22 @@ each ``--comm.reduce`` (fp32, bf16, int8, fp8; int8 and fp8 with and without
 
 Run: OMP_NUM_THREADS=1 .venv/bin/python bench/bench_low_precision.py \
          [--worlds 2 4] [--steps 1000] [--settings fp32 bf16 int8 int8+ef fp8 fp8+ef] \
-         [--runs-dir /tmp/lowp_runs] [--plot docs/low_precision.png] [--summarize-only] \
-         [-- EXTRA TRAIN ARGS]
+         [--seeds 0 1 2] [--runs-dir /tmp/lowp_runs] [--plot docs/low_precision.png] \
+         [--summarize-only] [-- EXTRA TRAIN ARGS]
 
-Each (world, setting) trains into ``RUNS_DIR/w{world}_{setting}`` (one run at a time: the
+Each (world, setting, seed) trains into ``RUNS_DIR/w{world}_{setting}`` (seed 0) or
+``RUNS_DIR/w{world}_{setting}_s{seed}`` (one run at a time: the
 timings share the box with nothing of ours). A run whose ``metrics.jsonl`` already reaches
 ``--steps`` is not repeated, so the command resumes an interrupted sweep, and
 ``--summarize-only`` rebuilds the table and plot from what is there. Reported per run: the final
 training loss (mean of the last 20 steps), the last validation loss, the gradient bytes one
 rank's reduction sends per step (what ``fs.comm_stats`` counts, from the model's parameter count:
 docs/low_precision.md's table; the all-gathers, unchanged by ``--comm``, are left out), and the
-median step time. The table goes to ``RUNS_DIR/table.md`` and stdout; the plot (matplotlib,
-imported only here) to ``--plot``.
+median step time. With several seeds, a second table gives each setting's difference from fp32
+*at the same seed* (the seed fixes the initialization and the data order, so the pairing removes
+both), as the mean and the range over seeds, beside fp32's own spread over seeds. The tables go
+to ``RUNS_DIR/table.md`` and stdout; the plot (matplotlib, imported only here; seed 0) to
+``--plot``.
 """
 
 from __future__ import annotations
@@ -45,13 +49,18 @@ BYTES_PER_PARAM = {  # the reduction's counted bytes per parameter (precision.re
 }
 
 
-def run_one(world: int, setting: str, args, extra: list[str]) -> Path:
-    out = Path(args.runs_dir) / f"w{world}_{setting}"
+def run_dir(args, world: int, setting: str, seed: int) -> Path:
+    suffix = f"_s{seed}" if seed else ""  # seed 0 keeps the single-seed sweep's names
+    return Path(args.runs_dir) / f"w{world}_{setting}{suffix}"
+
+
+def run_one(world: int, setting: str, seed: int, args, extra: list[str]) -> Path:
+    out = run_dir(args, world, setting, seed)
     rows = _metrics(out)
     if rows and rows[-1]["step"] >= args.steps:
         return out  # done already
     cmd = [sys.executable, "-m", "flatshard.tools.cli", "train", "--nproc", str(world),
-           "--steps", str(args.steps), "--seed", "0", "--out", str(out),
+           "--steps", str(args.steps), "--seed", str(seed), "--out", str(out),
            "--log.sample_tokens", "0", "--log.progress_bar", "false",
            "--checkpoint.every", "0", *SETTINGS[setting], *extra]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -67,7 +76,7 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def summarize(world: int, setting: str, out: Path, params: int | None) -> dict | None:
+def summarize(world: int, setting: str, seed: int, out: Path, params: int | None) -> dict | None:
     rows = _metrics(out)
     if not rows:
         return None
@@ -76,6 +85,7 @@ def summarize(world: int, setting: str, out: Path, params: int | None) -> dict |
     return {
         "world": world,
         "setting": setting,
+        "seed": seed,
         "steps": rows[-1]["step"],
         "train": statistics.fmean(r["loss"] for r in rows[-20:]),
         "val": vals[-1] if vals else float("nan"),
@@ -87,17 +97,57 @@ def summarize(world: int, setting: str, out: Path, params: int | None) -> dict |
 
 def table(results: list[dict]) -> str:
     lines = [
-        "| world | setting | steps | final train loss (last 20) | val loss | reduce bytes/step/rank"
-        " | median step s |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "| world | setting | seed | steps | final train loss (last 20) | val loss"
+        " | reduce bytes/step/rank | median step s |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         size = f"{r['bytes']:,.0f}" if r["bytes"] else "?"
         lines.append(
-            f"| {r['world']} | {r['setting']} | {r['steps']} | {r['train']:.4f} | {r['val']:.4f}"
+            f"| {r['world']} | {r['setting']} | {r['seed']} | {r['steps']} | {r['train']:.4f}"
+            f" | {r['val']:.4f}"
             f" | {size} | {r['step_s']:.3f} |"
         )
     return "\n".join(lines)
+
+
+def paired_table(results: list[dict]) -> str:
+    """Each setting against fp32 at the same (world, seed): mean and range over seeds of the
+    relative difference of the final train and validation losses, in percent."""
+    base = {(r["world"], r["seed"]): r for r in results if r["setting"] == "fp32"}
+    groups: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    for r in results:
+        ref = base.get((r["world"], r["seed"]))
+        if ref is None or r["steps"] != ref["steps"]:
+            continue
+        diff = (100 * (r["train"] / ref["train"] - 1), 100 * (r["val"] / ref["val"] - 1))
+        groups.setdefault((r["world"], r["setting"]), []).append(diff)
+    lines = [
+        "| world | setting | seeds | train vs fp32, mean [min, max] %"
+        " | val vs fp32, mean [min, max] % |",
+        "|---:|---|---:|---|---|",
+    ]
+    for (world, setting), diffs in sorted(groups.items()):
+        cells = [_spread([d[i] for d in diffs]) for i in (0, 1)]
+        lines.append(f"| {world} | {setting} | {len(diffs)} | {cells[0]} | {cells[1]} |")
+    for world in sorted({w for w, _ in base}):
+        refs = [r for (w, _), r in base.items() if w == world]
+        if len(refs) > 1:
+            lines.append(_fp32_spread(world, refs))
+    return "\n".join(lines)
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.fmean(values):+.2f} [{min(values):+.2f}, {max(values):+.2f}]"
+
+
+def _fp32_spread(world: int, refs: list[dict]) -> str:
+    """fp32's own spread over seeds: each seed's loss against the mean over seeds, in percent."""
+    cells = []
+    for key in ("train", "val"):
+        mean = statistics.fmean(r[key] for r in refs)
+        cells.append(_spread([100 * (r[key] / mean - 1) for r in refs]))
+    return f"| {world} | fp32 over seeds (vs its mean) | {len(refs)} | {cells[0]} | {cells[1]} |"
 
 
 def plot(results: list[dict], path: str) -> None:
@@ -109,7 +159,7 @@ def plot(results: list[dict], path: str) -> None:
     worlds = sorted({r["world"] for r in results})
     fig, axes = plt.subplots(1, len(worlds), figsize=(6 * len(worlds), 4), squeeze=False)
     for ax, world in zip(axes[0], worlds, strict=True):
-        for r in (r for r in results if r["world"] == world):
+        for r in (r for r in results if r["world"] == world and r["seed"] == 0):
             smooth = [statistics.fmean(r["losses"][max(0, i - 19) : i + 1])
                       for i in range(len(r["losses"]))]  # fmt: skip
             ax.plot(range(1, len(smooth) + 1), smooth, label=r["setting"], linewidth=1)
@@ -146,6 +196,7 @@ def main() -> None:
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--runs-dir", default="/tmp/lowp_runs")
     p.add_argument("--plot", default="docs/low_precision.png")
     p.add_argument("--summarize-only", action="store_true")
@@ -154,14 +205,15 @@ def main() -> None:
     params = _count_params(args, extra)
     results = []
     for world in args.worlds:
-        for setting in args.settings:
-            out = Path(args.runs_dir) / f"w{world}_{setting}"
-            if not args.summarize_only:
-                run_one(world, setting, args, extra)
-            summary = summarize(world, setting, out, params)
-            if summary is not None:
-                results.append(summary)
-    text = table(results)
+        for seed in args.seeds:
+            for setting in args.settings:
+                if not args.summarize_only:
+                    run_one(world, setting, seed, args, extra)
+                out = run_dir(args, world, setting, seed)
+                summary = summarize(world, setting, seed, out, params)
+                if summary is not None:
+                    results.append(summary)
+    text = table(results) + "\n\n" + paired_table(results)
     (Path(args.runs_dir) / "table.md").write_text(text + "\n")
     print(text)
     if results and args.plot:
