@@ -5,7 +5,7 @@ each ``--comm.reduce`` (fp32, bf16, int8, fp8; int8 and fp8 with and without
 Run: OMP_NUM_THREADS=1 .venv/bin/python bench/bench_low_precision.py \
          [--worlds 2 4] [--steps 1000] [--settings fp32 bf16 int8 int8+ef fp8 fp8+ef] \
          [--seeds 0 1 2] [--runs-dir /tmp/lowp_runs] [--plot docs/low_precision.png] \
-         [--summarize-only] [-- EXTRA TRAIN ARGS]
+         [--summarize-only] [--timing ROUNDS] [-- EXTRA TRAIN ARGS]
 
 Each (world, setting, seed) trains into ``RUNS_DIR/w{world}_{setting}`` (seed 0) or
 ``RUNS_DIR/w{world}_{setting}_s{seed}`` (one run at a time: the
@@ -20,6 +20,11 @@ median step time. With several seeds, a second table gives each setting's differ
 both), as the mean and the range over seeds, beside fp32's own spread over seeds. The tables go
 to ``RUNS_DIR/table.md`` and stdout; the plot (matplotlib, imported only here; seed 0) to
 ``--plot``.
+
+``--timing ROUNDS`` measures step time instead (``--steps`` short, e.g. 60): ROUNDS rounds, each
+running every setting once in turn (interleaved, so a load that comes and goes on a shared box
+falls on every setting alike), and reports per setting the median step time (steps after the
+first 5, the warm-up) and its ratio to fp32's in the same round (median over rounds).
 """
 
 from __future__ import annotations
@@ -188,6 +193,32 @@ def _count_params(args, extra: list[str]) -> int | None:
     return count
 
 
+def timing(world: int, args, extra: list[str]) -> str:
+    """``--timing``: interleaved short runs; the table of median step times and ratios."""
+    import shutil
+
+    times: dict[str, list[float]] = {s: [] for s in args.settings}
+    for round_ in range(args.timing):
+        for setting in args.settings:
+            run_dir_ = run_one(world, setting, 0, _timing_args(args, round_), extra)
+            steps = [r["step_time_s"] for r in _metrics(run_dir_)[5:]]
+            times[setting].append(statistics.median(steps))
+            shutil.rmtree(run_dir_)  # a rerun measures afresh
+    lines = [f"| world | setting | median step s ({args.timing} rounds) | ratio to fp32 |",
+             "|---:|---|---:|---:|"]  # fmt: skip
+    for setting, values in times.items():
+        ratio = "—"
+        if "fp32" in times:
+            pairs = zip(values, times["fp32"], strict=True)
+            ratio = f"{statistics.median([v / f for v, f in pairs]):.2f}"
+        lines.append(f"| {world} | {setting} | {statistics.median(values):.3f} | {ratio} |")
+    return "\n".join(lines)
+
+
+def _timing_args(args, round_: int):
+    return argparse.Namespace(**{**vars(args), "runs_dir": f"{args.runs_dir}/timing_r{round_}"})
+
+
 def main() -> None:
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -200,8 +231,14 @@ def main() -> None:
     p.add_argument("--runs-dir", default="/tmp/lowp_runs")
     p.add_argument("--plot", default="docs/low_precision.png")
     p.add_argument("--summarize-only", action="store_true")
+    p.add_argument("--timing", type=int, default=0, metavar="ROUNDS")
     args = p.parse_args(argv)
     Path(args.runs_dir).mkdir(parents=True, exist_ok=True)
+    if args.timing:
+        text = "\n\n".join(timing(world, args, extra) for world in args.worlds)
+        (Path(args.runs_dir) / "timing.md").write_text(text + "\n")
+        print(text)
+        return
     params = _count_params(args, extra)
     results = []
     for world in args.worlds:
