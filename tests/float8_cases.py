@@ -115,6 +115,38 @@ def parity(
     return {"errors": errors, "kinds": kinds, "roles": roles, "merged": merged}
 
 
+def convert_blocks(stage: nn.Module) -> nn.Module:
+    """A pipeline stage of ``pipeline_cases`` with its blocks' linears torchao float8 (emulated,
+    float8 all-gather on); the embedding and the head stay as they are."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig(emulate=True, enable_fsdp_float8_all_gather=True)
+    return convert_to_float8_training(
+        stage, config=config, module_filter_fn=lambda _, fqn: fqn.startswith("blocks")
+    )
+
+
+def pipeline_float8(specs: list[dict]) -> list[dict]:
+    """``pipeline_cases``' pp 2 x dp 2 stages with float8 blocks, the schedule called inside
+    ``fs.pipeline_step`` (``mode="explicit"``) or plainly (``"plain"``); the reference is one
+    process training the same float8 model on the same microbatches (each scales its own
+    activations). Per spec this rank's worst fragment error and its float8 flat groups."""
+    from pipeline_cases import _FAILED, STEPS, Run, run_each
+    from pipeline_plain_cases import fragment_error, one_step
+
+    def run_one(spec: dict) -> dict:
+        plain = spec["mode"] == "plain"
+        engine = "flatshard_plain" if plain else "flatshard"
+        run = Run({**spec, "engine": engine, "optim": "sgd", "float8": True})
+        for step in range(STEPS):
+            one_step(run, step, plain) if plain else run.step(step)
+        err, worst = fragment_error(run)
+        groups = [g for m in run.mine for u in get_state(m).units for g in u.float8_groups]
+        return {"err": err, "worst": worst, "float8_groups": len(groups)}
+
+    return run_each(specs, run_one, _FAILED)
+
+
 def linears_only(all_gather: bool) -> nn.Module:
     """Three float8 linears and nothing else: every gathered element is a float8 weight's."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training

@@ -208,6 +208,10 @@ class Run:
         self.dp_rank = self.dp_mesh.get_local_rank()
         self.ids = stage_ids(pp_mesh.get_local_rank(), per_rank, style)
         whole = build_stages(self.n_stages)
+        if spec.get("float8"):  # test_float8: the blocks' linears torchao float8, both sides
+            from float8_cases import convert_blocks
+
+            whole = [convert_blocks(stage) for stage in whole]
         self.ref = nn.Sequential(*copy.deepcopy(whole))
         self.mine = [whole[i] for i in self.ids]
         for module in self.mine:

@@ -143,3 +143,23 @@ def test_flatshard_train_with_float8(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "out/metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(0.0 < r["loss"] < 10.0 for r in rows), rows
+
+
+@pytest.mark.parametrize(
+    "specs",
+    [
+        [dict(schedule="1F1B", microbatches=2, mode="explicit"),
+         dict(schedule="Interleaved1F1B", microbatches=4, mode="plain")],
+    ],
+)  # fmt: skip
+def test_float8_stages_under_pipeline_schedules(dist_pools, specs):
+    """pp 2 x dp 2: float8 blocks in fs.shard-ed stages, explicit and plain schedules, equal
+    to one process training the same float8 model on the same microbatches."""
+    from float8_cases import pipeline_float8
+
+    per_rank = dist_pools(4).run(pipeline_float8, specs)
+    for rank, results in enumerate(per_rank):
+        for spec, r in zip(specs, results, strict=True):
+            assert "error" not in r, (rank, spec, r)
+            assert r["float8_groups"] > 0, (rank, spec, r)  # the blocks gathered in float8
+            assert r["err"] <= 1e-6, (rank, spec, r)
