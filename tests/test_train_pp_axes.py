@@ -1,14 +1,16 @@
 """``flatshard train --parallelism.pp 2`` with the other axes: tp, hybrid_shard, ep.
 
 Each combination runs the same model on the same global batch (same seed and data order, fp32,
-no dropout, untied head: ``fs.tie_across_stages`` takes no tensor-parallel parameters yet) as
-its 1-D run, plain data parallel without a pipeline, and must equal it step for step: losses,
-gradient norms, validation losses, tokens and the final text sample.
+no dropout) as its 1-D run, plain data parallel without a pipeline, and must equal it step for
+step: losses, gradient norms, validation losses, tokens and the final text sample.
 
-* **pp x tp** (world 4 = pp 2 x dp 1 x tp 2, mesh ``("pp", "dp", "tp")``): A trains 3 steps
-  and checkpoints at step 2; B is the world-1 run. The checkpoints are topology-free: D resumes
-  A's step-2 checkpoint at world 1 (no pp, no tp), E resumes B's under pp 2 x tp 2; both
-  continue B's curve.
+* **pp x tp** (world 4 = pp 2 x dp 1 x tp 2, mesh ``("pp", "dp", "tp")``), with the head tied
+  to the embedding: the last stage's copy of the matrix is tensor-parallel like the embedding
+  (``Shard(0)``) and ``fs.tie_across_stages`` sums the two copies' gradients per tp rank. A
+  trains 3 steps and checkpoints at step 2; B is the world-1 run (one tied parameter). The
+  checkpoints are topology-free: D resumes A's step-2 checkpoint at world 1 (no pp, no tp), E
+  resumes B's under pp 2 x tp 2; both continue B's curve. The other combinations keep the
+  head untied (the tie's other paths: tests/test_train_pp.py).
 * **pp x dp x tp** (world 8 = pp 2 x dp 2 x tp 2): the 1-D run is dp 2 at world 2.
 * **pp x hybrid_shard** (world 4 = pp 2 x replicate 2 x shard 1, mesh ``("pp", "replicate",
   "shard")``): four workers started as four one-worker machines (torchrun's variables set by
@@ -95,7 +97,7 @@ def _resume_from(root: Path, source: str, target: str, *args: str) -> subprocess
 @pytest.fixture(scope="module")
 def tp_runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("train_pp_tp")
-    base = [*write_inputs(root), *RUN]
+    base = [*write_inputs(root), *RUN, "--model.tie_embeddings", "true"]  # the last one wins
     done = {
         "a": _train(*base, *PP_TP, *CKPT, "--out", str(root / "a")),
         "b": _train(*base, "--nproc", "1", *CKPT, "--out", str(root / "b")),
@@ -254,9 +256,8 @@ PP = ["--nproc", "4", "--parallelism.pp", "2", "--checkpoint.enabled", "false"]
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ([*PP, "--parallelism.tp", "2"], "model.tie_embeddings=true cannot be combined with"),
-        ([*PP, "--parallelism.tp", "2", "--model.tie_embeddings", "false",
-          "--parallelism.loss_parallel", "true"], "parallel.loss_parallel=true cannot be"),
+        ([*PP, "--parallelism.tp", "2", "--parallelism.loss_parallel", "true"],
+         "parallel.loss_parallel=true cannot be"),
         (["--nproc", "4", "--parallelism.pp", "4", "--parallelism.tp", "2"],
          "parallel.tp=2 does not divide"),
         ([*PP, "--model.experts", "4", "--parallelism.ep", "4"],

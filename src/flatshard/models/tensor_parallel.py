@@ -38,7 +38,10 @@ does the whole residual stream (``use_local_output=False``).
 [Note: tied embeddings]
 The embedding (rowwise) and the head (colwise) both split the ``[vocab, d_model]`` weight on dim
 0, so one ``Shard(0)`` DTensor serves both: after distributing, the head takes the embedding's
-parameter again and the tie survives.
+parameter again and the tie survives. A pipeline whose last stage holds its own copy of the
+head (``parallelize_gpt_head``) gets the same ``Shard(0)`` there, which is what
+``fs.tie_across_stages`` needs to sum the two copies per tp rank ([Note: tensor-parallel tied
+copies] in parallel/pipeline_tied.py).
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from flatshard.models.gpt import GPT
 
-__all__ = ["HF_ARCHITECTURES", "parallelize_gpt", "parallelize_hf"]
+__all__ = ["HF_ARCHITECTURES", "parallelize_gpt", "parallelize_gpt_head", "parallelize_hf"]
 
 HF_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 """The Hugging Face classes :func:`parallelize_hf` has a plan for."""
@@ -121,6 +124,28 @@ def parallelize_gpt(
     if sp:
         model.register_forward_pre_hook(_sequence_check(tp, "GPT"), with_kwargs=True)
     return model
+
+
+def parallelize_gpt_head(
+    head: nn.Linear,
+    tp_mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool = True,
+    loss_parallel: bool = False,
+) -> nn.Linear:
+    """Make a copy of the GPT's output head tensor-parallel as :func:`parallelize_gpt` makes
+    the head (vocabulary columns split: a ``Shard(0)`` weight, the embedding's layout), in
+    place; for a pipeline's last stage, which holds its own copy of a tied head. Returns
+    ``head``."""
+    if not isinstance(head, nn.Linear):
+        raise TypeError(
+            f"parallelize_gpt_head(head=...) takes the GPT's output head, an nn.Linear; got "
+            f"{type(head).__name__}: pass the stage's lm_head"
+        )
+    _check_not_parallel(head)
+    _check_divisible(_tp_degree(tp_mesh), {"out_features": head.out_features}, "head")
+    parallelize_module(head, tp_mesh, _head_style(sequence_parallel, loss_parallel))
+    return head
 
 
 def parallelize_hf(

@@ -27,6 +27,32 @@ Declaring checks, on every pp rank alike (one ``all_gather_object``), that each 
 held by a rank, that the names exist, are flatshard fragments of equal shape and dtype, and
 that the copies hold equal values now (a hash of each whole copy).
 
+[Note: tensor-parallel tied copies]
+A copy that is a DTensor (``parallelize_module`` ran on its stage) lives in its stage's flat
+groups as its TP-local block (parallel/tensor.py): its fragment's ``flat_range`` indexes this
+tp rank's block, its ``.grad`` is the fp32 sharded gradient of that block, averaged over dp
+only. The pp group of a schedule built on a ``("pp", ..., "tp")`` mesh joins the ranks of
+equal dp *and* tp coordinates, so the sum above, unchanged, adds the blocks this tp rank holds
+of each copy. That is the single-process gradient only if the blocks are the same elements of
+the weight on every stage: the copies must have equal global shapes and equal placements on
+tp meshes of equal size, and each tp rank's block must start at the same place (its origin).
+Declaring checks all three, and refuses different placements rather than redistributing:
+
+* the trainer's GPT (and torchtitan's plans) already split both alike: the embedding
+  rowwise (vocabulary rows) and the head colwise (vocabulary columns) both shard the
+  ``[vocab, d_model]`` weight on dim 0, ``Shard(0)``;
+* it is the only layout a tied model has in one process (one DTensor, one placement:
+  [Note: tied embeddings] in models/tensor_parallel.py), so a pipeline that matches it loses
+  nothing;
+* matching a ``Shard(1)`` copy to a ``Shard(0)`` one would cost, every step, the whole
+  gradient on every tp rank (an all-gather of ``vocab x d_model`` over tp, then a slice), and
+  the optimizer would hold the same element at different places of the two stages; a plan
+  avoids all that by giving both modules the same split.
+
+Each TP copy's digest covers every tp rank's (origin, block digest), gathered over its tp mesh
+(the tp peers hold the same stages): every rank of the pipeline sees the same facts and raises
+alike, even when only one tp rank's block differs.
+
 Gradient norms: all copies but the first (lowest stage index) are marked as duplicates
 (``is_tied_duplicate``) so that a norm over the whole model can count the weight once.
 """
@@ -36,6 +62,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,6 +72,7 @@ from flatshard.comm.collectives import all_reduce
 from flatshard.core.params import fragment_tag
 from flatshard.core.state import STATE_ATTR, ShardedState
 from flatshard.parallel.pipeline_checks import schedule_stages
+from flatshard.parallel.tensor import TPSpec
 
 TIES_ATTR = "_flatshard_ties"  # on the schedule: its TiedParameters, applied by pipeline_step
 DUPLICATE_ATTR = "_flatshard_tied_duplicate"  # on a fragment: not the first copy of its tie
@@ -65,6 +93,7 @@ class TiedCopy:
     state: ShardedState
     flat_range: tuple[int, int]
     shape: torch.Size  # of the whole (TP-local) parameter
+    tp: TPSpec | None = None  # a tensor-parallel copy: its DTensor's mesh and placements
 
     @property
     def numel(self) -> int:
@@ -139,15 +168,15 @@ def tie_across_stages(schedule, ties: Sequence[Mapping[int, str]]) -> TiedParame
     parameter ([Note: tied parameters across stages]). Every rank of the pipeline calls it
     with the same ``ties``, after ``fs.shard`` of its stages; the copies must be equal now.
     ``ValueError`` (on every pp rank) for a stage no rank holds, a missing name, copies of
-    different shapes or values; ``NotImplementedError`` for tensor-parallel copies.
-    Returns the declaration (also kept on the schedule)."""
+    different shapes, values or tensor-parallel placements ([Note: tensor-parallel tied
+    copies]). Returns the declaration (also kept on the schedule)."""
     stages = schedule_stages(schedule)
     specs = _validate_spec(ties, stages[0].num_stages)
     states = [getattr(stage.submod, STATE_ATTR, None) for stage in stages]
     unsharded = [s.stage_index for s, state in zip(stages, states, strict=True) if state is None]
     mine, problems = _local_copies(specs, {stage.stage_index: stage for stage in stages})
     if unsharded:
-        problems.append(("ValueError", f"stage(s) {unsharded} are not sharded: fs.shard them"))
+        problems.append(f"stage(s) {unsharded} are not sharded: fs.shard them")
     everyone: list = [None] * stages[0].group_size
     dist.all_gather_object(everyone, (_facts(mine), problems), group=stages[0].group)
     _agree(specs, everyone, stages[0].group_rank)
@@ -157,7 +186,7 @@ def tie_across_stages(schedule, ties: Sequence[Mapping[int, str]]) -> TiedParame
         across_pp = sum(1 for facts_r, _ in everyone if facts_r[t]) > 1
         for c in copies:  # the first copy counts in gradient norms, the others do not
             setattr(c.fragment, DUPLICATE_ATTR, c.stage_index != min(spec))
-        shape, dtype = torch.Size(held[0][1]), getattr(torch, held[0][2].split(".")[-1])
+        shape, dtype = torch.Size(held[0][5]), getattr(torch, held[0][2].split(".")[-1])
         made.append(Tie(tuple(copies), shape.numel(), dtype, across_pp))
     tied = TiedParameters(made, stages[0].group, states[0].stats, states[0].device)
     setattr(schedule, TIES_ATTR, tied)
@@ -185,8 +214,7 @@ def _validate_spec(ties, n_stages: int) -> list[dict[int, str]]:
 
 
 def _local_copies(specs: list[dict[int, str]], by_index: dict) -> tuple[list, list]:
-    """Per tie, the copies this rank's stages hold; and what is wrong with them, as
-    (exception name, message) pairs."""
+    """Per tie, the copies this rank's stages hold; and what is wrong with them (messages)."""
     mine, problems = [], []
     for t, spec in enumerate(specs):
         copies = []
@@ -199,34 +227,43 @@ def _local_copies(specs: list[dict[int, str]], by_index: dict) -> tuple[list, li
             where = f"ties[{t}]: stage {index} ({type(module).__name__}) parameter {name!r}"
             if param is None:
                 names = [n for n, _ in module.named_parameters()][:8]
-                problems.append(("ValueError", f"{where} does not exist (it has {names} ...)"))
+                problems.append(f"{where} does not exist (it has {names} ...)")
             elif tag is None or tag.state() is None:
-                problems.append(("ValueError", f"{where} is not sharded: fs.shard the stage first"))
-            elif tag.tp is not None:
-                problems.append(
-                    (
-                        "NotImplementedError",
-                        f"{where} is tensor-parallel: tied "
-                        "copies of DTensor parameters are not supported yet",
-                    )
+                problems.append(f"{where} is not sharded: fs.shard the stage first")
+            else:  # plain or tensor-parallel ([Note: tensor-parallel tied copies])
+                state, tp = tag.state(), tag.tp
+                assert tp is None or isinstance(tp, TPSpec)
+                copies.append(
+                    TiedCopy(index, name, param, state, tag.flat_range, tag.full_shape, tp)
                 )
-            else:
-                state = tag.state()
-                copies.append(TiedCopy(index, name, param, state, tag.flat_range, tag.full_shape))
         mine.append(copies)
     return mine, problems
 
 
 def _facts(mine: list[list[TiedCopy]]) -> list[list[tuple]]:
-    """Per tie, what this rank tells its pp peers of each copy it holds: (stage index, shape,
-    dtype, digest of its whole value)."""
-    return [
-        [
-            (c.stage_index, tuple(c.shape), str(c.fragment.dtype), _digest(_whole_value(c)))
-            for c in copies
-        ]
-        for copies in mine
-    ]
+    """Per tie, what this rank tells its pp peers of each copy it holds: (stage index, global
+    shape, dtype, tensor-parallel layout or None, digest of its value, TP-local shape)."""
+    return [[_copy_facts(c) for c in copies] for copies in mine]
+
+
+def _copy_facts(c: TiedCopy) -> tuple:
+    digest = _digest(_whole_value(c))
+    if c.tp is None:
+        return (c.stage_index, tuple(c.shape), str(c.fragment.dtype), None, digest, tuple(c.shape))
+    mesh: Any = c.tp.mesh  # a 1-D DeviceMesh (TPSpec keeps it untyped)
+    layout = f"{list(c.tp.placements)} over {mesh.size()} tp ranks"
+    digest = _tp_digest(c.tp, digest)
+    return (c.stage_index, tuple(c.tp.shape), str(c.fragment.dtype), layout, digest, tuple(c.shape))
+
+
+def _tp_digest(tp: TPSpec, local: str) -> str:
+    """One hash of every tp rank's (origin, digest of its block), the same on all of them
+    ([Note: tensor-parallel tied copies])."""
+    mesh: Any = tp.mesh
+    group = mesh.get_group()
+    pieces: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(pieces, (tuple(tp.origin), local), group=group)
+    return hashlib.sha256(repr(pieces).encode()).hexdigest()
 
 
 def _digest(whole: torch.Tensor) -> str:
@@ -241,40 +278,39 @@ def _digest(whole: torch.Tensor) -> str:
 def _agree(specs: list[dict[int, str]], everyone: list, my_rank: int) -> None:
     """Raise on every pp rank alike if any rank found a problem or the copies differ."""
     prefix = f"fs.tie_across_stages (pp rank {my_rank}): "
-    problems = [(kind, f"pp rank {r}: {m}") for r, (_, ps) in enumerate(everyone) for kind, m in ps]
+    problems = [f"pp rank {r}: {m}" for r, (_, ps) in enumerate(everyone) for m in ps]
     for t, spec in enumerate(specs):
-        facts = [f for facts_r, _ in everyone for f in facts_r[t]]
-        held = [f[0] for f in facts]
-        missing = [i for i in spec if i not in held]
         if problems:
             break  # a rank could not report its copies: the rest would mislead
-        if missing:
-            problems.append(
-                (
-                    "ValueError",
-                    f"ties[{t}]: stage(s) {missing} are held by no pp "
-                    "rank of this schedule; use the stage_index of its PipelineStage",
-                )
-            )
-        elif len({(f[1], f[2]) for f in facts}) > 1:
-            sizes = {spec[f[0]]: f"{list(f[1])} {f[2]}" for f in facts}
-            problems.append(
-                (
-                    "ValueError",
-                    f"ties[{t}]: the copies differ in size or dtype "
-                    f"{sizes}; tie parameters of one shape",
-                )
-            )
-        elif len({f[3] for f in facts}) > 1:
-            problems.append(
-                (
-                    "ValueError",
-                    f"ties[{t}]: the copies {list(spec.values())} hold "
-                    "different values; make them equal before fs.shard (e.g. "
-                    "head.weight.data.copy_(embed.weight.data))",
-                )
-            )
+        problem = _tie_problem(t, spec, [f for facts_r, _ in everyone for f in facts_r[t]])
+        if problem is not None:
+            problems.append(f"ties[{t}]: {problem}")
     if problems:
-        kinds = {kind for kind, _ in problems}
-        exc = NotImplementedError if kinds == {"NotImplementedError"} else ValueError
-        raise exc(prefix + "; ".join(m for _, m in problems))
+        raise ValueError(prefix + "; ".join(problems))
+
+
+def _tie_problem(t: int, spec: dict[int, str], facts: list[tuple]) -> str | None:
+    """What is wrong with the copies of ``ties[t]`` as their holders report them, or None."""
+    missing = [i for i in spec if i not in [f[0] for f in facts]]
+    if missing:
+        return (
+            f"stage(s) {missing} are held by no pp rank of this schedule; use the "
+            "stage_index of its PipelineStage"
+        )
+    if len({(f[1], f[2]) for f in facts}) > 1:
+        sizes = {spec[f[0]]: f"{list(f[1])} {f[2]}" for f in facts}
+        return f"the copies differ in size or dtype {sizes}; tie parameters of one shape"
+    if len({f[3] for f in facts}) > 1:
+        layouts = {spec[f[0]]: f[3] or "not tensor-parallel" for f in facts}
+        return (
+            f"the copies are split over tensor-parallel ranks differently {layouts}; give "
+            "both the same placements (e.g. RowwiseParallel for an embedding and "
+            "ColwiseParallel for the head: both Shard(0)), see [Note: tensor-parallel tied "
+            "copies] in flatshard/parallel/pipeline_tied.py"
+        )
+    if len({f[4] for f in facts}) > 1:
+        return (
+            f"the copies {list(spec.values())} hold different values; make them equal "
+            "before fs.shard (e.g. head.weight.data.copy_(embed.weight.data))"
+        )
+    return None
