@@ -222,7 +222,7 @@ def build_training(cfg: TrainConfig, env: Env, vocab: int) -> tuple[Any, Any, La
         return model, optimizer, build_scheduler(optimizer, cfg.optim), None
     from flatshard.tools.train.pipeline_build import build_pipeline
 
-    pipe = build_pipeline(cfg, env.rank, env.world, env.device, env.local_world)
+    pipe = build_pipeline(cfg, env.rank, env.world, env.device, env.local_world, vocab)
     torch.manual_seed(cfg.seed * 1_000_003 + 1 + env.rank)
     pipe.optimizers = [build_optimizer(m, cfg.optim) for m in pipe.stages]
     pipe.schedulers = [build_scheduler(o, cfg.optim) for o in pipe.optimizers]
@@ -258,6 +258,10 @@ def flops_per_token(cfg: TrainConfig, model: Any, attention_length: float) -> fl
         from flatshard.tools.train.resolve import moe_config
 
         return moe_config(cfg).flops_per_token(round(attention_length))
+    if isinstance(model, list) and cfg.model.hf:  # pipeline stages of a transformers model
+        from flatshard.tools.train.pipeline_hf import flops_per_token as hf_stage_flops
+
+        return hf_stage_flops(model[0], attention_length)
     if isinstance(model, list):  # pipeline stages: the whole GPT's count
         return gpt_config(cfg).flops_per_token(attention_length)
     from flatshard.tools.train import hf_model

@@ -31,8 +31,9 @@ The other axes join torchtitan's way, pp outermost and tp innermost (``pipeline_
 * **tp**: ``("pp", "dp", "tp")``; the whole GPT is made tensor-parallel (sequence parallel)
   before it is cut, so every stage holds TP modules and sends its tp rank's ``[B, T/tp, C]``
   share of the stream to the same tp rank of the next stage. The losses and token counts
-  the world reductions see are tp times too many: divided out. The head must be untied
-  (``fs.tie_across_stages`` takes no DTensor parameters yet) and its logits gathered.
+  the world reductions see are tp times too many: divided out. The head's logits are
+  gathered. A tied head's copy on the last stage is split as the embedding is (``Shard(0)``,
+  ``pipeline_build``), so ``fs.tie_across_stages`` sums the two per tp rank.
 * **ep** (MoE GPT): a second mesh ``("pp", "efsdp", "ep")`` splits each stage's dp ranks into
   ep groups; experts are sharded over ``efsdp``, the rest over ``dp`` (``moe.unit_policy``).
   The routers' load-balancing loss joins the gradient inside each stage
@@ -100,13 +101,11 @@ def _layout_errors(cfg: TrainConfig, world: int) -> str | None:
             f"parallel.loss_parallel=true cannot be combined with parallel.pp={p.pp} yet "
             "(the last stage gathers its logits); pass --parallelism.loss_parallel false"
         )
-    if p.tp > 1 and cfg.model.tie_embeddings:
-        return (f"model.tie_embeddings=true cannot be combined with parallel.pp={p.pp} and "
-                f"parallel.tp={p.tp} yet (fs.tie_across_stages takes no tensor-parallel "
-                "parameters); pass --model.tie_embeddings false")  # fmt: skip
-    if cfg.model.hf:
-        return (f"model.hf={cfg.model.hf!r} cannot be combined with parallel.pp={p.pp} yet "
-                "(the pipeline cuts flatshard's GPT); pass --parallelism.pp 1")  # fmt: skip
+    if cfg.model.hf:  # the Llama layout only: see tools/train/pipeline_hf.py
+        from flatshard.tools.train.pipeline_hf import hf_pp_error
+
+        if (error := hf_pp_error(cfg, p.pp * v)) is not None:
+            return error
     if (p.schedule in SINGLE and v != 1) or (p.schedule in V_SHAPED and v != 2):
         need = 1 if p.schedule in SINGLE else 2
         return (f"parallel.stages_per_rank={v}: schedule {p.schedule} holds exactly {need} "
@@ -134,7 +133,7 @@ def check_pp(cfg: TrainConfig, world: int) -> None:
     if cfg.parallel.pp == 1:
         return
     error = _layout_errors(cfg, world) or _microbatch_errors(cfg)
-    if error is None:
+    if error is None and not cfg.model.hf:  # hf: its layer count checked by _layout_errors
         from flatshard.tools.train.pipeline_stage import layer_split
         from flatshard.tools.train.resolve import gpt_config
 

@@ -93,7 +93,21 @@ def _stage_modules(
         from flatshard.tools.train.tp_plan import parallelize
 
         parallelize(model, mesh, cfg)
+        _parallelize_head_copy(stages, model, mesh, cfg)
     return stages
+
+
+def _parallelize_head_copy(stages: list, model: Any, mesh: Any, cfg: TrainConfig) -> None:
+    """The last stage's own copy of a tied head (``GPTStage``) is no module of ``model``, so
+    ``parallelize`` missed it: split it as the GPT's head, ``Shard(0)`` like the embedding,
+    which ``fs.tie_across_stages`` needs ([Note: tensor-parallel tied copies])."""
+    from flatshard.models.tensor_parallel import parallelize_gpt_head
+
+    for stage in stages:
+        if stage.lm_head is not None and stage.lm_head is not model.lm_head:
+            parallelize_gpt_head(
+                stage.lm_head, mesh["tp"], loss_parallel=cfg.parallel.loss_parallel
+            )
 
 
 def _shard_stage(cfg: TrainConfig, module: torch.nn.Module, mesh: Any, experts: Any) -> None:
@@ -134,10 +148,12 @@ def _schedule(cfg: TrainConfig, pipe_stages: list, loss: StepLoss) -> Any:
 
 
 def build_pipeline(
-    cfg: TrainConfig, rank: int, world: int, device: torch.device, local_world: int = 0
-) -> Pipeline:
+    cfg: TrainConfig, rank: int, world: int, device: torch.device, local_world: int = 0,
+    vocab_needed: int = 258,
+) -> Pipeline:  # fmt: skip
     """This rank's stages (tensor-parallel, sharded), their PipelineStages and the schedule.
-    ``local_world``: the workers per machine (hybrid_shard's shard size; 0 = ``world``)."""
+    ``local_world``: the workers per machine (hybrid_shard's shard size; 0 = ``world``);
+    ``vocab_needed``: the ids a ``model.hf`` vocabulary must hold."""
     from torch.distributed.pipelining import PipelineStage
 
     pp, tp, v = cfg.parallel.pp, cfg.parallel.tp, stages_per_rank(cfg)
@@ -152,16 +168,23 @@ def build_pipeline(
         experts = expert_mesh(device.type, world, pp, cfg.parallel.ep)
     n = pp * v
     indices = stage_indices(mesh["pp"].get_local_rank(), pp, v, cfg.parallel.schedule)
-    modules = _stage_modules(cfg, device, indices, mesh, experts)
-    for module in modules:
-        _shard_stage(cfg, module, mesh, experts)
+    if cfg.model.hf:  # a transformers model: built on meta, cut, sharded (pipeline_hf)
+        from flatshard.tools.train.pipeline_hf import build_hf_stages
+
+        dp_mesh = data_parallel_mesh(mesh)
+        modules = build_hf_stages(cfg, device, indices, n, dp_mesh, vocab_needed)
+    else:
+        modules = _stage_modules(cfg, device, indices, mesh, experts)
+        for module in modules:
+            _shard_stage(cfg, module, mesh, experts)
     group = mesh["pp"].get_group()
     pipe_stages = [
         PipelineStage(m, s, n, device, group=group) for m, s in zip(modules, indices, strict=True)
     ]
     loss = StepLoss(world // (pp * tp))
     schedule = _schedule(cfg, pipe_stages, loss)
-    if cfg.model.tie_embeddings and n > 1:  # see [Note: whole-model names on every stage]
+    tied = cfg.model.tie_embeddings and not cfg.model.hf  # model.hf: untied (pipeline_hf)
+    if tied and n > 1:  # see [Note: whole-model names on every stage]
         fs.tie_across_stages(schedule, [{0: "tok_emb.weight", n - 1: "lm_head.weight"}])
     return Pipeline(
         mesh=mesh,

@@ -46,7 +46,8 @@ def forward_through(run: Run, ids: torch.Tensor, positions: torch.Tensor) -> tor
     group = pipe.mesh["pp"].get_group()
     mine = iter(pipe.stages)  # this rank's stage modules, in stage order
     x: torch.Tensor = ids
-    width = pipe.stages[0].config.d_model
+    stage = pipe.stages[0]  # a GPTStage, or an HFStage (pipeline_hf): its hidden width
+    width = stage.width if hasattr(stage, "width") else stage.config.d_model
     rows, length = ids.shape[0], ids.shape[1] // env.tp  # sequence parallel: T / tp per rank
     for s, owner in enumerate(owners):
         if owner != me:

@@ -213,8 +213,8 @@ def _header(run: Run) -> str:
 
 
 def _num_params(run: Run) -> int:
-    if run.pipe is not None:
-        return gpt_config(run.cfg).num_params()
+    if run.pipe is not None:  # the whole model's count (an HFStage holds it)
+        return getattr(run.pipe.stages[0], "whole_params", 0) or gpt_config(run.cfg).num_params()
     if run.cfg.model.experts:
         return moe_config(run.cfg).num_params()
     return hf_model.num_params(run.model)
@@ -226,7 +226,8 @@ def _tokens_of(corpus) -> str:
 
 def _model_name(run: Run) -> str:
     if run.cfg.model.hf:
-        return f"{type(run.model).__name__} from {run.cfg.model.hf}"
+        name = run.pipe.stages[0].arch if run.pipe is not None else type(run.model).__name__
+        return f"{name} from {run.cfg.model.hf}"
     if run.cfg.model.experts:
         m = run.cfg.model
         ep = f", ep {run.cfg.parallel.ep}" if run.cfg.parallel.ep > 1 else ""
@@ -254,9 +255,9 @@ def _finish(run: Run) -> dict[str, Any] | None:
     text = sample_text(run) if run.cfg.log.sample_tokens else ""
     if run.ckpt is not None:
         run.ckpt.wait()
-    if run.cfg.model.hf and run.env.tp > 1:
-        run.say("note: no hf/ export: save_pretrained of a tensor-parallel model is not "
-                "supported yet; the checkpoints hold the weights")  # fmt: skip
+    if run.cfg.model.hf and (run.env.tp > 1 or run.env.pp > 1):
+        run.say("note: no hf/ export: save_pretrained of a tensor-parallel or pipelined model "
+                "is not supported yet; the checkpoints hold the weights")  # fmt: skip
     elif run.cfg.model.hf:  # the final weights as a from_pretrained directory (collective)
         fs.save_pretrained(run.model, run.out / "hf")
         tok = getattr(run.corpus.tokenizer, "tok", None)  # the model's own tokenizer, if used
@@ -288,7 +289,7 @@ def _outputs_line(run: Run) -> str:
     files = ["metrics.jsonl", *(["loss.png", "memory.png"] if plotted else []), "config.toml"]
     if run.ckpt is not None:
         files.append("checkpoints/")
-    if run.cfg.model.hf and run.env.tp == 1:
+    if run.cfg.model.hf and run.env.tp == 1 and run.env.pp == 1:
         files.append("hf/ (from_pretrained)")
     line = f"wrote {run.out}/{', '.join(files)}"
     if not plotted:
