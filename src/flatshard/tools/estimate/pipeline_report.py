@@ -19,6 +19,7 @@ from flatshard.tools.estimate.bubble import (
     held_microbatches,
 )
 from flatshard.tools.estimate.report import GIB, Report
+from flatshard.tools.estimate.stage_memory import PIPE_SCHEDULES, stage_memory
 
 __all__ = ["add_options", "format_section", "section"]
 
@@ -60,7 +61,23 @@ def _pipeline(args: argparse.Namespace, r: Report) -> dict[str, Any]:
         "stage_activations": r.memory.activations / pp / m * held,
         "stage_model_states": r.memory.model_states / pp,
         "step_s": stage_step / (1 - bubble),
+        **_stage_memory(r, args.schedule, pp, m, v),
     }  # fmt: skip
+
+
+def _stage_memory(r: Report, schedule: str, pp: int, m: int, v: int) -> dict[str, Any]:
+    """The stage model's figures (``stage_memory.py``: torch's order, torchtitan's FSDP2
+    settings) for pp rank 0 and the rank with the highest peak; none where it does not apply
+    (other schedules, no full AC, cp, the CPU)."""
+    if (schedule not in PIPE_SCHEDULES or (schedule == "1F1B" and v != 1) or not r.work.act_ckpt
+            or r.layout.cp > 1 or r.device.name == "cpu"):  # fmt: skip
+        return {}
+    ranks = [stage_memory(r.spec, r.layout, r.work, schedule, pp, m, v, k) for k in range(pp)]
+    top = max(ranks, key=lambda s: s.reserved)
+    return {"stage_memory": {f"rank {s.rank}": {
+        "stages": list(s.stages), "blocks": list(s.blocks), "peak": s.peak,
+        "peak_phase": s.peak_phase, "reserved_est": s.reserved, "reserved_parts": s.reserved_parts,
+    } for s in (ranks[0], top)}}  # fmt: skip
 
 
 def _experts(args: argparse.Namespace, r: Report) -> dict[str, Any]:
@@ -112,6 +129,13 @@ def format_section(s: dict[str, Any]) -> str:
             f"  stage model states            {p['stage_model_states'] / GIB:>10.2f} GiB",
             f"  pipeline step                 {p['step_s']:>10.3f} s",
         ]
+        for rank, sm in p.get("stage_memory", {}).items():
+            lines += [
+                f"  {rank} (stages {sm['stages']}, blocks {sm['blocks']}), FSDP2 under PP:",
+                f"    allocated peak (at {sm['peak_phase']}) {sm['peak'] / GIB:.2f} GiB",
+                f"    reserved (est.: torch.cuda.max_memory_reserved) "
+                f"{sm['reserved_est'] / GIB:.2f} GiB",
+            ]
     if "experts" in s:
         e = s["experts"]
         lines += [
