@@ -163,3 +163,36 @@ def test_float8_stages_under_pipeline_schedules(dist_pools, specs):
             assert "error" not in r, (rank, spec, r)
             assert r["float8_groups"] > 0, (rank, spec, r)  # the blocks gathered in float8
             assert r["err"] <= 1e-6, (rank, spec, r)
+
+
+@pytest.mark.slow  # two trainer launches
+def test_flatshard_train_float8_with_pipeline_equals_its_1d_run(tmp_path):
+    """``--model.float8 --parallelism.pp 2`` (world 2) against world 1 on the same global
+    batch: every forward holds one row in both (data.rows 1 x 4 micro-batches; the pipeline
+    cuts the step into 4 microbatches of one row), so float8 scales each activation alike."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    from fault_common import run_train, write_inputs
+
+    base = [*write_inputs(tmp_path), "--model.dropout", "0", "--model.n_layers", "4",
+            "--model.tie_embeddings", "false", "--model.float8", "true",
+            "--data.rows", "1", "--data.micro_batches", "4", "--steps", "3",
+            "--log.every", "1", "--log.sample_tokens", "0", "--log.plot_every", "0",
+            "--checkpoint.enabled", "false"]  # fmt: skip
+    runs = {}
+    for name, layout in (
+        ("pp", ["--nproc", "2", "--parallelism.pp", "2"]),
+        ("one", ["--nproc", "1"]),
+    ):
+        proc = run_train([*base, *layout, "--out", str(tmp_path / name)], timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        runs[name] = [json.loads(line) for line in lines]
+    assert [r["step"] for r in runs["pp"]] == [1, 2, 3]
+    for a, b in zip(runs["pp"], runs["one"], strict=True):
+        assert a["tokens"] == b["tokens"], (a, b)
+        for key in ("loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (key, a, b)

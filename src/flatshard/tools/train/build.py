@@ -239,15 +239,14 @@ def convert_model(model: GPT, cfg: TrainConfig, device: torch.device) -> GPT:
 
 
 def _check_float8(cfg: TrainConfig, env: Env) -> None:
-    """--model.float8 covers the dense GPT under data parallelism only."""
+    """--model.float8 covers the dense GPT under data and pipeline parallelism."""
     other = {"model.hf": cfg.model.hf, "model.experts": cfg.model.experts,
-             "parallelism.tp": env.tp > 1, "parallelism.pp": env.pp > 1,
-             "parallelism.cp": env.cp > 1}  # fmt: skip
+             "parallelism.tp": env.tp > 1, "parallelism.cp": env.cp > 1}  # fmt: skip
     used = [name for name, on in other.items() if on]
     if cfg.model.float8 and used:
         raise ValueError(
             f"model.float8=true is not supported with {', '.join(used)}: pass --model.float8 "
-            "false, or train the dense GPT with data parallelism only"
+            "false, or train the dense GPT with data (and pipeline) parallelism only"
         )
 
 

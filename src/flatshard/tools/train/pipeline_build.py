@@ -89,6 +89,11 @@ def _stage_modules(
         coef = model.config.aux_loss_coef / (model.config.n_layers * microbatch_count(cfg))
         for stage in stages:
             stage.aux_scale = coef
+    if cfg.model.float8:  # the blocks' linears, as the unpipelined run's (docs/float8.md)
+        from flatshard.features.float8 import convert_linears
+
+        for stage in stages:
+            convert_linears(stage, emulate=device.type == "cpu", prefix="layers.")
     if "tp" in mesh.mesh_dim_names:  # the stages hold the model's modules: made TP in place
         from flatshard.tools.train.tp_plan import parallelize
 

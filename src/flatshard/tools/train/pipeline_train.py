@@ -70,6 +70,9 @@ def pipeline_train_step(run: Run, batches: list[PackedBatch]) -> dict[str, float
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
+    if run.cfg.model.float8 and not skip:  # the next gathers skip their amax all-reduce
+        for stage in pipe.stages:
+            fs.precompute_float8_scales(stage)
     memory = torch.tensor(peak_memory_mb(env.device), device=env.device)
     dist.all_reduce(memory, op=dist.ReduceOp.MAX)
     return {
