@@ -214,3 +214,63 @@ def checkpoints(tmp: str) -> dict:
     out["loaded_amax_calls"] = stats.calls.get("float8_amax", 0)
     out["kinds"] = [g.float8 is not None for u in get_state(loaded).units for g in u.groups]
     return out
+
+
+# ---- float8 with tensor parallelism (torchao's Float8ColwiseParallel / Float8RowwiseParallel) --
+class _MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(32, 64, bias=False), nn.Linear(64, 32, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def _tp_float8_model(tp_mesh) -> nn.Module:
+    """Two float8 MLPs made tensor-parallel the torchtitan way (float8 casts before TP's
+    collectives); the same weights on every rank."""
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+    )
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_MLP(), _MLP())
+    config = Float8LinearConfig(emulate=True, enable_fsdp_float8_all_gather=True)
+    convert_to_float8_training(model, config=config)
+    plan = {"up": Float8ColwiseParallel(), "down": Float8RowwiseParallel()}
+    for block in model:
+        parallelize_module(block, tp_mesh, plan)
+    return model
+
+
+def tp_parity(precompute: bool) -> dict:
+    """World 4 = dp 2 x tp 2: ``fs.shard`` over dp of the float8 TP model against the same TP
+    model unsharded, its gradients averaged over dp by hand (per-dp-rank micro-batches, the tp
+    ranks of a dp group reading the same). Every rank: its fragments against the reference's
+    TP-local blocks after ``STEPS`` SGD steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_group, dp_rank = mesh["dp"].get_group(), mesh["dp"].get_local_rank()
+    reference = _tp_float8_model(mesh["tp"])
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    model = fs.shard(_tp_float8_model(mesh["tp"]), policy=fs.wrap.by_type(_MLP), mesh=mesh["dp"])
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        x = batch(step, dp_rank)
+        for net, optimizer in ((reference, ref_opt), (model, opt)):
+            net(x).square().mean().backward()
+            if net is reference:  # DDP by hand over dp: the TP-local gradients averaged
+                for p in reference.parameters():
+                    dist.all_reduce(p.grad.to_local(), group=dp_group)
+                    p.grad.to_local().div_(2)
+            optimizer.step()
+            optimizer.zero_grad()
+        if precompute:
+            fs.precompute_float8_scales(model)
+    local = {n: p.to_local().detach() for n, p in reference.named_parameters()}
+    groups = [g for u in get_state(model).units for g in u.float8_groups]
+    return {"errors": fragment_errors(model, local), "float8_groups": len(groups)}

@@ -196,3 +196,14 @@ def test_flatshard_train_float8_with_pipeline_equals_its_1d_run(tmp_path):
         assert a["tokens"] == b["tokens"], (a, b)
         for key in ("loss", "grad_norm"):
             assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (key, a, b)
+
+
+@pytest.mark.parametrize("precompute", [False, True])
+def test_float8_with_tensor_parallelism(dist_pools, precompute):
+    """dp 2 x tp 2, torchao's float8 TP plan: fs.shard over dp equals the unsharded TP model
+    with dp-averaged gradients (each TP-local block scaled by the whole weight's amax)."""
+    from float8_cases import tp_parity
+
+    for rank, r in enumerate(dist_pools(4).run(tp_parity, precompute)):
+        assert r["float8_groups"] > 0, (rank, r)
+        assert _max(r["errors"]) <= 1e-6, (rank, r)

@@ -107,7 +107,8 @@ def set_scales(groups: list[FlatGroup], topo: Topology, stats: CommStats) -> Non
     if all(p is not None for p in precomputed):
         scales = precomputed
     else:
-        amax = global_amax([s.fragment for _, s in specs], topo.shard_group, stats)
+        tp = [g.tp[i] for g in groups for i in range(len(g.specs))]
+        amax = global_amax([s.fragment for _, s in specs], topo.shard_group, stats, tp)
         scales = list(to_scales(amax, [g.float8.float8_dtype for g, _ in specs]))
     position = 0
     for g in groups:
@@ -116,14 +117,30 @@ def set_scales(groups: list[FlatGroup], topo: Topology, stats: CommStats) -> Non
 
 
 def global_amax(
-    fragments: list[torch.Tensor], group: dist.ProcessGroup | None, stats: CommStats
+    fragments: list[torch.Tensor],
+    group: dist.ProcessGroup | None,
+    stats: CommStats,
+    tp: list | None = None,
 ) -> torch.Tensor:
-    """max(|w|) of each whole weight from its fragments: one all-reduce(MAX) of the vector."""
+    """max(|w|) of each whole weight from its fragments: one all-reduce(MAX) of the vector over
+    the shard group; and, for tensor-parallel weights (``tp``: each fragment's ``TPSpec`` or
+    None), one more over each tp group: a TP-local block is part of the weight, whose one
+    tensorwise scale torchao takes from the whole DTensor."""
     local = [f.detach().abs().max() if f.numel() else f.new_zeros(()) for f in fragments]
     amax = torch.stack(local).float()
     if group is not None and dist.get_world_size(group) > 1:
         stats.record("float8_amax", amax, group, "float8 amax")
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    by_tp_group: dict[int, tuple[dist.ProcessGroup, list[int]]] = {}
+    for i, spec in enumerate(tp or ()):
+        if spec is not None and spec.is_sharded:  # replicated over tp: the block is the weight
+            tp_group = spec.mesh.get_group()
+            by_tp_group.setdefault(id(tp_group), (tp_group, []))[1].append(i)
+    for tp_group, index in by_tp_group.values():  # in parameter order: the same on every rank
+        part = amax[index]
+        stats.record("float8_amax", part, tp_group, "float8 amax over tp")
+        dist.all_reduce(part, op=dist.ReduceOp.MAX, group=tp_group)
+        amax[index] = part
     return amax
 
 

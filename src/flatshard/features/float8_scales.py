@@ -36,11 +36,15 @@ def precompute_float8_scales(model: nn.Module) -> None:
         for g in unit.groups:
             if g.float8 is not None:
                 entry = by_group.setdefault(id(unit.process_group), (unit.process_group, []))
-                entry[1].extend((s.fragment, g.float8.float8_dtype) for s in g.specs)
+                entry[1].extend(
+                    (s.fragment, g.float8.float8_dtype, tp)
+                    for s, tp in zip(g.specs, g.tp, strict=True)
+                )
     for process_group, items in by_group.values():  # unit order: the same on every rank
-        amax = global_amax([f for f, _ in items], process_group, state.stats)
-        scales = to_scales(amax, [d for _, d in items])
-        for (fragment, _), scale in zip(items, scales, strict=True):
+        tp = [t for _, _, t in items]
+        amax = global_amax([f for f, _, _ in items], process_group, state.stats, tp)
+        scales = to_scales(amax, [d for _, d, _ in items])
+        for (fragment, _, _), scale in zip(items, scales, strict=True):
             fragment._precomputed_scale = scale
             _SCALED.add(fragment)
 
