@@ -218,12 +218,16 @@ def checkpoints(tmp: str) -> dict:
 
 # ---- float8 with tensor parallelism (torchao's Float8ColwiseParallel / Float8RowwiseParallel) --
 class _MLP(nn.Module):
+    """A norm (replicated over tp, not float8: one unit mixes float8 TP weights with a plain
+    parameter) and two float8 linears."""
+
     def __init__(self) -> None:
         super().__init__()
+        self.norm = nn.LayerNorm(32)
         self.up, self.down = nn.Linear(32, 64, bias=False), nn.Linear(64, 32, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(torch.relu(self.up(x)))
+        return x + self.down(torch.relu(self.up(self.norm(x))))
 
 
 def _tp_float8_model(tp_mesh) -> nn.Module:
@@ -265,12 +269,17 @@ def tp_parity(precompute: bool) -> dict:
             net(x).square().mean().backward()
             if net is reference:  # DDP by hand over dp: the TP-local gradients averaged
                 for p in reference.parameters():
-                    dist.all_reduce(p.grad.to_local(), group=dp_group)
-                    p.grad.to_local().div_(2)
+                    dist.all_reduce(_local(p.grad), group=dp_group)
+                    _local(p.grad).div_(2)
             optimizer.step()
             optimizer.zero_grad()
         if precompute:
             fs.precompute_float8_scales(model)
-    local = {n: p.to_local().detach() for n, p in reference.named_parameters()}
+    local = {n: _local(p).detach() for n, p in reference.named_parameters()}
     groups = [g for u in get_state(model).units for g in u.float8_groups]
     return {"errors": fragment_errors(model, local), "float8_groups": len(groups)}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's TP-local tensor; a plain (tp-replicated) tensor as it is."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor

@@ -115,8 +115,11 @@ def test_train_config_float8_converts_the_blocks_linears():
     assert all(float8_dtype_of(m.weight) for m in linears if isinstance(m, Float8Linear))
     assert not isinstance(model.lm_head, Float8Linear)
     assert model.lm_head.weight is model.tok_emb.weight
+    _check_float8(cfg, Env(0, 2, 2, torch.device("cpu"), pp=2))  # pipeline stages: fine
     with pytest.raises(ValueError, match=r"model.float8=true is not supported with parallelism.tp"):
         _check_float8(cfg, Env(0, 2, 2, torch.device("cpu"), tp=2))
+    with pytest.raises(ValueError, match=r"model.float8=true is not supported with parallelism.cp"):
+        _check_float8(cfg, Env(0, 2, 2, torch.device("cpu"), cp=2))
 
 
 @pytest.mark.slow
@@ -166,10 +169,11 @@ def test_float8_stages_under_pipeline_schedules(dist_pools, specs):
 
 
 @pytest.mark.slow  # two trainer launches
-def test_flatshard_train_float8_with_pipeline_equals_its_1d_run(tmp_path):
-    """``--model.float8 --parallelism.pp 2`` (world 2) against world 1 on the same global
+def test_flatshard_train_float8_with_pp_equals_its_1d_run(tmp_path):
+    """``--model.float8 --parallelism.pp 2`` at world 2 against world 1 on the same global
     batch: every forward holds one row in both (data.rows 1 x 4 micro-batches; the pipeline
     cuts the step into 4 microbatches of one row), so float8 scales each activation alike."""
+    axis = "pp"
     import json
     import sys
     from pathlib import Path
@@ -183,16 +187,15 @@ def test_flatshard_train_float8_with_pipeline_equals_its_1d_run(tmp_path):
             "--log.every", "1", "--log.sample_tokens", "0", "--log.plot_every", "0",
             "--checkpoint.enabled", "false"]  # fmt: skip
     runs = {}
-    for name, layout in (
-        ("pp", ["--nproc", "2", "--parallelism.pp", "2"]),
-        ("one", ["--nproc", "1"]),
-    ):
+    layouts = {"pp": ["--nproc", "2", "--parallelism.pp", "2"], "one": ["--nproc", "1"]}
+    for name in (axis, "one"):
+        layout = layouts[name]
         proc = run_train([*base, *layout, "--out", str(tmp_path / name)], timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
         runs[name] = [json.loads(line) for line in lines]
-    assert [r["step"] for r in runs["pp"]] == [1, 2, 3]
-    for a, b in zip(runs["pp"], runs["one"], strict=True):
+    assert [r["step"] for r in runs[axis]] == [1, 2, 3]
+    for a, b in zip(runs[axis], runs["one"], strict=True):
         assert a["tokens"] == b["tokens"], (a, b)
         for key in ("loss", "grad_norm"):
             assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (key, a, b)

@@ -67,9 +67,11 @@ def require_torchao(what: str) -> None:
 
 
 def float8_dtype_of(param: torch.Tensor) -> torch.dtype | None:
-    """The float8 dtype ``param`` is gathered in: torchao's float8 all-gather weight, else
-    None. torchao is never imported here: a weight of its subclass means it is loaded."""
+    """The float8 dtype ``param`` (or a DTensor's local tensor) is gathered in: torchao's float8
+    all-gather weight, else None. torchao is never imported here: a weight of its subclass
+    means it is loaded."""
     fsdp_utils = sys.modules.get("torchao.float8.fsdp_utils")
+    param = getattr(param, "_local_tensor", param)  # a DTensor (TP) holds torchao's weight inside
     if fsdp_utils is None or not isinstance(param, fsdp_utils.WeightWithDynamicFloat8CastTensor):
         return None
     return param._dtype
