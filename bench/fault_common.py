@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
+import math
 import os
 import signal
 import subprocess
@@ -79,6 +80,18 @@ def run_train(args: list[str], timeout: float = 400) -> subprocess.CompletedProc
 def metrics(out: Path) -> list[dict]:
     """The rows of a run's ``metrics.jsonl``, in order."""
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_curve(got_rows: list[dict], want_rows: list[dict], tol: float = 1e-5) -> None:
+    """Two runs' metrics rows equal step for step: loss, gradient norm and validation loss
+    within ``tol`` (relative; 1e-5, fp32: the house bar for parity), token counts exactly."""
+    assert len(got_rows) == len(want_rows) and all(math.isfinite(r["loss"]) for r in got_rows)
+    for got, want in zip(got_rows, want_rows, strict=True):
+        assert got["step"] == want["step"]
+        for key in ("loss", "grad_norm", "val_loss"):
+            if want.get(key) is not None:
+                assert abs(got[key] - want[key]) <= tol * abs(want[key]), (key, got, want)
+        assert got["tokens"] == want["tokens"]
 
 
 def start_train(args: list[str], log: Path) -> subprocess.Popen:

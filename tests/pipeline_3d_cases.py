@@ -33,7 +33,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -45,6 +44,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import flatshard as fs
+from pipeline_cases import make_schedule
 from tp_cases import DIM, OPTIMIZERS, SEQ, VOCAB, Block
 
 PP, DP, TP = 2, 2, 2
@@ -187,15 +187,7 @@ class Run3D:
         for module in self.mine:
             parallelize_stage(module, mesh["tp"], sp=spec["sp"])
             fs.shard(module, policy=fs.wrap.by_type(Block), mesh=shard_over, timeout_s=TIMEOUT_S)
-        group = self.pp_mesh.get_group()
-        stages = [
-            PipelineStage(m, i, self.n_stages, torch.device("cpu"), group=group)
-            for m, i in zip(self.mine, self.ids, strict=True)
-        ]
-        single = issubclass(cls, torch_schedules.PipelineScheduleSingle)
-        self.schedule = cls(
-            stages[0] if single else stages, n_microbatches=self.n_mb, loss_fn=loss_fn
-        )
+        self.schedule = make_schedule(cls, self, self.pp_mesh.get_group(), loss_fn)
         self.opt = OPTIMIZERS[spec["optim"]]([p for m in self.mine for p in m.parameters()])
         self.ref_opt = OPTIMIZERS[spec["optim"]](self.ref.parameters())
         self.norm_err = 0.0

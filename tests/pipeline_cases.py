@@ -216,14 +216,7 @@ class Run:
         self.mine = [whole[i] for i in self.ids]
         for module in self.mine:
             shard_stage(module, self.engine, self.dp_mesh)
-        stages = [
-            PipelineStage(m, i, self.n_stages, torch.device("cpu"), group=pp_mesh.get_group())
-            for m, i in zip(self.mine, self.ids, strict=True)
-        ]
-        single = issubclass(cls, torch_schedules.PipelineScheduleSingle)
-        self.schedule = cls(
-            stages[0] if single else stages, n_microbatches=self.n_mb, loss_fn=loss_fn
-        )
+        self.schedule = make_schedule(cls, self, pp_mesh.get_group())
         self.opt = OPTIMIZERS[spec["optim"]]([p for m in self.mine for p in m.parameters()])
         self.ref_opt = OPTIMIZERS[spec["optim"]](self.ref.parameters())
 
@@ -271,6 +264,17 @@ class Run:
                 if (err := rel_err(full[key], value)) >= out["err"]:
                     out["err"], out["worst"] = err, f"stage {i} {key}"
         return out
+
+
+def make_schedule(cls, run, group, loss=loss_fn):
+    """``cls`` over ``run``'s stage modules (``run.mine`` at ``run.ids`` of ``run.n_stages``),
+    each a ``PipelineStage`` on ``group``, ``run.n_mb`` microbatches, ``loss`` per one."""
+    stages = [
+        PipelineStage(m, i, run.n_stages, torch.device("cpu"), group=group)
+        for m, i in zip(run.mine, run.ids, strict=True)
+    ]
+    single = issubclass(cls, torch_schedules.PipelineScheduleSingle)
+    return cls(stages[0] if single else stages, n_microbatches=run.n_mb, loss_fn=loss)
 
 
 def run_spec(spec: dict) -> dict:

@@ -37,7 +37,7 @@ from pipeline_3d_cases import (
     rel_err,
     stage_ids,
 )
-from pipeline_cases import run_each
+from pipeline_cases import make_schedule, run_each
 from tp_cases import OPTIMIZERS, SEQ, VOCAB
 
 PP, DP, TP = 2, 1, 2
@@ -102,15 +102,7 @@ class TiedTPRun:
         for module in self.mine:
             parallelize_stage(module, mesh["tp"], sp=True)
             fs.shard(module, policy=fs.wrap.by_type(Block), mesh=mesh["dp"], timeout_s=TIMEOUT_S)
-        group = self.pp_mesh.get_group()
-        stages = [
-            PipelineStage(m, i, self.n_stages, torch.device("cpu"), group=group)
-            for m, i in zip(self.mine, self.ids, strict=True)
-        ]
-        single = issubclass(cls, torch_schedules.PipelineScheduleSingle)
-        self.schedule = cls(
-            stages[0] if single else stages, n_microbatches=self.n_mb, loss_fn=loss_fn
-        )
+        self.schedule = make_schedule(cls, self, self.pp_mesh.get_group(), loss_fn)
         if spec.get("tie", True):
             fs.tie_across_stages(self.schedule, [{0: TIES[0], self.n_stages - 1: TIES[1]}])
         self.opt = OPTIMIZERS[spec["optim"]]([p for m in self.mine for p in m.parameters()])

@@ -28,7 +28,6 @@ whole MoE GPT, the hybrid shard size, and the refusals.
 
 from __future__ import annotations
 
-import math
 import shutil
 import socket
 import subprocess
@@ -43,9 +42,14 @@ from flatshard.tools.train.pipeline_build import hybrid_shard_degree
 from flatshard.tools.train.pipeline_stage import GPTStage, layer_split
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
-from fault_common import clean_env, metrics, run_train, write_inputs  # tiny config, corpus
+from fault_common import (  # tiny config, corpus
+    assert_same_curve,
+    clean_env,
+    metrics,
+    run_train,
+    write_inputs,
+)
 
-TOL = 1e-5  # fp32: the house bar for parity
 RUN = [
     "--model.dropout", "0",  # dropout masks depend on the rank layout: off for parity
     "--model.n_layers", "4",
@@ -150,21 +154,11 @@ def _sample(stdout: str) -> str:
     return next(line for line in stdout.splitlines() if line.startswith("sample: "))
 
 
-def _assert_same_curve(got_rows: list[dict], want_rows: list[dict]) -> None:
-    assert len(got_rows) == len(want_rows) and all(math.isfinite(r["loss"]) for r in got_rows)
-    for got, want in zip(got_rows, want_rows, strict=True):
-        assert got["step"] == want["step"]
-        for key in ("loss", "grad_norm", "val_loss"):
-            if want.get(key) is not None:
-                assert abs(got[key] - want[key]) <= TOL * abs(want[key]), (key, got, want)
-        assert got["tokens"] == want["tokens"]
-
-
 @pytest.mark.slow  # four launches of 1-4 CPU workers (~2 min on the shared 2-core box)
 def test_pp_x_tp_equals_the_1d_run_step_for_step(tp_runs):
     out, rows = tp_runs["a"]
     assert "4 rank(s) (pp 2 x dp 1, 1F1B, 4 microbatches)" in out
-    _assert_same_curve(rows, tp_runs["b"][1])
+    assert_same_curve(rows, tp_runs["b"][1])
     assert rows[-1]["loss"] < rows[0]["loss"]  # it learns
     assert _sample(out) == _sample(tp_runs["b"][0])  # the padded context, the last stage
 
@@ -176,14 +170,14 @@ def test_pp_x_tp_checkpoints_resume_in_another_layout(tp_runs, name):
     out, rows = tp_runs[name]
     assert "resumed from" in out and "step_000002" in out
     step3 = [r for r in rows if r["step"] == 3]
-    _assert_same_curve(step3, tp_runs["b"][1][2:])
+    assert_same_curve(step3, tp_runs["b"][1][2:])
 
 
 @pytest.mark.slow  # eight CPU workers, then two: several minutes on the shared 2-core box
 def test_pp_x_dp_x_tp_at_world_8_equals_the_1d_run_step_for_step(world8_runs):
     out, rows = world8_runs["t"]
     assert "8 rank(s) (pp 2 x dp 2, 1F1B, 4 microbatches)" in out
-    _assert_same_curve(rows, world8_runs["r"][1])
+    assert_same_curve(rows, world8_runs["r"][1])
     assert _sample(out) == _sample(world8_runs["r"][0])
 
 
@@ -191,7 +185,7 @@ def test_pp_x_dp_x_tp_at_world_8_equals_the_1d_run_step_for_step(world8_runs):
 def test_pp_x_hybrid_shard_equals_the_1d_run_step_for_step(hybrid_runs):
     out, rows = hybrid_runs["h"]
     assert "4 rank(s) (pp 2 x dp 2, 1F1B, 4 microbatches)" in out and "hybrid_shard" in out
-    _assert_same_curve(rows, hybrid_runs["r"][1])
+    assert_same_curve(rows, hybrid_runs["r"][1])
     assert _sample(out) == _sample(hybrid_runs["r"][0])
 
 
@@ -201,7 +195,7 @@ def test_pp_x_ep_equals_the_1d_run_step_for_step(ep_runs):
     assert (
         "(pp 2 x dp 2, 1F1B, 4 microbatches)" in out and "MoE GPT (4 experts, top-2, ep 2)" in out
     )
-    _assert_same_curve(rows, ep_runs["r"][1])
+    assert_same_curve(rows, ep_runs["r"][1])
     assert _sample(out) == _sample(ep_runs["r"][0])
 
 
@@ -209,7 +203,7 @@ def test_pp_x_ep_equals_the_1d_run_step_for_step(ep_runs):
 def test_a_pp_x_ep_checkpoint_resumes_without_pp_or_ep(ep_runs):
     out, rows = ep_runs["q"]
     assert "resumed from" in out and "step_000002" in out
-    _assert_same_curve([r for r in rows if r["step"] == 3], ep_runs["r"][1][2:])
+    assert_same_curve([r for r in rows if r["step"] == 3], ep_runs["r"][1][2:])
 
 
 def test_moe_stages_add_their_routers_loss_to_the_gradient():

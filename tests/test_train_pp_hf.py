@@ -17,7 +17,6 @@ the initialisation replay gives the unsplit numbers; and the refusals.
 
 from __future__ import annotations
 
-import math
 import shutil
 import subprocess
 import sys
@@ -33,9 +32,8 @@ from flatshard.tools.train.pipeline_hf import HFStage, init_states
 from flatshard.tools.train.pipeline_stage import layer_split
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
-from fault_common import metrics, run_train, write_inputs  # tiny config, corpus
+from fault_common import assert_same_curve, metrics, run_train, write_inputs
 
-TOL = 1e-5  # fp32: the house bar for parity (test_train_pp_axes.py)
 RUN = [
     "--model.dropout", "0", "--data.seq_len", "32", "--data.rows", "4",
     "--optim.decay_steps", "6", "--optim.lr", "3e-3",
@@ -96,22 +94,12 @@ def runs(tmp_path_factory) -> dict:
     return {name: (proc.stdout, metrics(root / name)) for name, proc in done.items()}
 
 
-def _assert_same_curve(got_rows: list[dict], want_rows: list[dict]) -> None:
-    assert len(got_rows) == len(want_rows) and all(math.isfinite(r["loss"]) for r in got_rows)
-    for got, want in zip(got_rows, want_rows, strict=True):
-        assert got["step"] == want["step"]
-        for key in ("loss", "grad_norm", "val_loss"):
-            if want.get(key) is not None:
-                assert abs(got[key] - want[key]) <= TOL * abs(want[key]), (key, got, want)
-        assert got["tokens"] == want["tokens"]
-
-
 @pytest.mark.slow  # five launches of 2-4 CPU workers (~2 min on the shared 2-core box)
 def test_pp_llama_from_a_config_equals_the_1d_run_step_for_step(runs):
     out, rows = runs["a"]
     assert "4 rank(s) (pp 2 x dp 2, 1F1B, 4 microbatches)" in out
     assert "LlamaForCausalLM from" in out and "no hf/ export" in out
-    _assert_same_curve(rows, runs["b"][1])
+    assert_same_curve(rows, runs["b"][1])
     assert rows[-1]["loss"] < rows[0]["loss"]  # it learns
 
 
@@ -119,12 +107,12 @@ def test_pp_llama_from_a_config_equals_the_1d_run_step_for_step(runs):
 def test_a_pp_llama_checkpoint_resumes_without_pp(runs):
     out, rows = runs["c"]
     assert "resumed from" in out and "step_000002" in out
-    _assert_same_curve([r for r in rows if r["step"] == 3], runs["b"][1][2:])
+    assert_same_curve([r for r in rows if r["step"] == 3], runs["b"][1][2:])
 
 
 @pytest.mark.slow
 def test_pp_llama_finetuning_from_weights_equals_the_1d_run(runs):
-    _assert_same_curve(runs["f"][1], runs["g"][1])
+    assert_same_curve(runs["f"][1], runs["g"][1])
     assert runs["f"][1][0]["loss"] > runs["a"][1][0]["loss"] + 0.5  # the weights, not an init
 
 
