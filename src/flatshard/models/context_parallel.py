@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from flatshard.models.ring_attention import RingLayout, ring_attention
+from flatshard.models.ring_attention import RingLayout, ring_attention, ring_peers
 
 # torch 2.13 renames all_gather_into_tensor (deprecated there); older torch has only that name
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -116,6 +116,7 @@ class ContextParallel:
             )
         self.group, self.attention = group, attention
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.peers = ring_peers(group) if attention == "ring" else (0, 0)
         self.mask: torch.Tensor | None = None  # [B, 1, t, T] while attending ("allgather")
         self.layout: RingLayout | None = None  # while attending ("ring")
 
@@ -134,7 +135,9 @@ class ContextParallel:
             k_doc = _GatherKeys.apply(document_ids, self.group)  # [B, T] in rank order
         if self.attention == "ring":
             documents = list(k_doc.split(t, dim=1))  # [B, t] per cp rank
-            self.layout = RingLayout(self.group, self.rank, self.cp, positions, documents)
+            self.layout = RingLayout(
+                self.group, self.rank, self.cp, positions, documents, self.peers
+            )
         else:
             q_pos, k_pos = positions[self.rank], torch.cat(positions)  # [t], [T]
             causal = k_pos[None, :] <= q_pos[:, None]  # [t, T]

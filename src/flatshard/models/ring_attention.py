@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["RingLayout", "ring_attention"]
+__all__ = ["RingLayout", "ring_attention", "ring_peers"]
 
 _TAG = 0x52494E  # "RIN": this module's point-to-point tag (see comm/gloo_p2p.py's note)
 
@@ -53,6 +53,7 @@ class RingLayout:
     cp: int
     positions: list[torch.Tensor]  # per cp rank: [t] positions of its tokens in the row
     documents: list[torch.Tensor]  # per cp rank: [B, t] document ids (-1: padding)
+    peers: tuple[int, int]  # global ranks of the next and the previous cp rank
 
     def block(self, src: int) -> tuple[slice, slice, torch.Tensor]:
         """The query rows and key columns of ``src``'s block that can see anything (see the
@@ -69,6 +70,15 @@ class RingLayout:
             q_doc[:, :, None] == k_doc[:, None, :]
         )  # [B, tq, tk]
         return rows, cols, visible[:, None, None]
+
+
+def ring_peers(group: dist.ProcessGroup) -> tuple[int, int]:
+    """Global ranks of this rank's next and previous cp rank in ``group`` (the ring's order)."""
+    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+    return (
+        dist.get_global_rank(group, (rank + 1) % cp),
+        dist.get_global_rank(group, (rank - 1) % cp),
+    )
 
 
 def ring_attention(
@@ -92,8 +102,7 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def _rotate(buffer: torch.Tensor, layout: RingLayout) -> tuple[torch.Tensor, list]:
     """Post sending ``buffer`` to the next cp rank and receiving the previous one's."""
     received = torch.empty_like(buffer)
-    nxt = dist.get_global_rank(layout.group, (layout.rank + 1) % layout.cp)
-    prev = dist.get_global_rank(layout.group, (layout.rank - 1) % layout.cp)
+    nxt, prev = layout.peers
     ops = [
         dist.P2POp(dist.isend, buffer, nxt, layout.group, _TAG),
         dist.P2POp(dist.irecv, received, prev, layout.group, _TAG),

@@ -46,8 +46,7 @@ def forward_through(run: Run, ids: torch.Tensor, positions: torch.Tensor) -> tor
     group = pipe.mesh["pp"].get_group()
     mine = iter(pipe.stages)  # this rank's stage modules, in stage order
     x: torch.Tensor = ids
-    stage = pipe.stages[0]  # a GPTStage, or an HFStage (pipeline_hf): its hidden width
-    width = stage.width if hasattr(stage, "width") else stage.config.d_model
+    width = pipe.stages[0].width  # a GPTStage's or an HFStage's (pipeline_hf) hidden width
     rows, length = ids.shape[0], ids.shape[1] // env.tp  # sequence parallel: T / tp per rank
     for s, owner in enumerate(owners):
         if owner != me:

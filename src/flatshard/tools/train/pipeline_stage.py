@@ -105,6 +105,11 @@ class GPTStage(nn.Module):
             # embedding; fs.tie_across_stages keeps the two one parameter while training
             self.lm_head = copy.deepcopy(model.lm_head)
 
+    @property
+    def width(self) -> int:
+        """The hidden width a stage sends on (as ``HFStage.width``, pipeline_hf)."""
+        return self.config.d_model
+
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """``x``: ids ``[B, T]`` (first stage) or hidden ``[B, T, C]``; returns hidden
         ``[B, T, C]``, or logits ``[B, T, V]`` on the last stage."""
