@@ -46,8 +46,9 @@ and the end of every pass, what the rank holds then. Each assumption, with its s
   without the gradient shards, plus the reduce-scatter pool (every fp32 gradient shard of the
   rank), the all-gather pool (two blocks' flat buffers, or the largest root group), the loss's
   extras on the last stage, vanilla TP's record-stream buffers.
-* **Which rank**: torchtitan's ``run_llama_train.sh`` logs rank 0 (``LOG_RANK=0``), and its
-  mesh puts ``pp`` outermost, so the published figure is pp rank 0's: the first stage(s).
+* **Which rank**: each pp rank is replayed (``rank``); the published figure is the highest
+  (the benchmark's footnote: "Different PP ranks can have different peak memory usages. We
+  take the maximum across all GPUs"), which ``published.estimate_run`` takes.
 
 Not modelled: compile's and float8's own buffers (as for the other rows), the embedding's
 full-sequence partial output before its reduce-scatter, the pipeline's send buffers in flight.
