@@ -293,6 +293,36 @@ def test_meta_device_model_is_materialised_unit_by_unit(dist_pools):
         assert "lora_a" in r["lora_error"] and "init_fn" in r["lora_error"]
 
 
+class _BufferRoot(nn.Module):
+    """A middle pipeline stage's shape: every parameter in wrapped blocks, a buffer (a rotary
+    table) at the root."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.register_buffer("table", torch.empty(4))
+
+    def reset_parameters(self) -> None:
+        self.table.copy_(torch.arange(4.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[1](self.blocks[0](x)) * self.table
+
+
+def case_meta_root_of_buffers_only() -> list[float]:
+    with torch.device("meta"):
+        model = _BufferRoot()
+    fs.shard(model, policy=fs.wrap.by_type(nn.Linear))  # the root unit holds no parameter
+    return model.table.tolist()
+
+
+def test_a_meta_root_holding_only_buffers_is_materialised(dist_pools):
+    """The root unit has no parameters of its own, so no unit materialises its buffers unless
+    fs.shard does it for the root itself."""
+    for table in dist_pools(2).run(case_meta_root_of_buffers_only):
+        assert table == [0.0, 1.0, 2.0, 3.0]
+
+
 def test_auto_wrap_picks_the_repeated_block_class():
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer

@@ -1,6 +1,6 @@
 """``flatshard train --model.hf DIR --parallelism.pp 2``: a transformers Llama cut into stages.
 
-The runs (fp32, the same seed and data, a 4-layer Llama with untied embeddings) must equal
+The runs (fp32, the same seed and data, a 4-layer Llama, untied unless said) must equal
 their 1-D run, dp 2 at world 2 without a pipeline, step for step: losses, gradient norms,
 validation losses and tokens.
 
@@ -9,6 +9,8 @@ validation losses and tokens.
   loss is B's. C resumes A's step-2 checkpoint at dp 2 without pp and continues B's curve.
 * **From a save_pretrained directory** (fine-tuning): F (pp 2 x dp 2) and G (dp 2) both read
   the weights, each stage its own slices.
+* **Tied embeddings** (``tied_runs``): from a config under ZBVZeroBubble and from weights
+  under 1F1B, against their dp 2 runs.
 
 In this process: the stages chained give the unsplit model's logits on packed rows (documents
 kept apart by position resets alone), for Llama, Qwen2's and Mistral's sliding-window layers;
@@ -55,19 +57,21 @@ def _llama_config(**overrides):
     return LlamaConfig(**(kwargs | overrides))
 
 
-def _llama_dir(root: Path, weights: bool = False) -> Path:
-    """A tiny Llama: its config.json only, or a save_pretrained directory."""
+def _llama_dir(root: Path, weights: bool = False, tied: bool = False) -> Path:
+    """A tiny Llama: its config.json only, or a save_pretrained directory (a tied one holds
+    the shared matrix once, as ``model.embed_tokens.weight``)."""
     from transformers import AutoModelForCausalLM
 
-    where = root / ("llama_weights" if weights else "llama")
+    config = _llama_config(tie_word_embeddings=tied)
+    where = root / f"llama{'_weights' if weights else ''}{'_tied' if tied else ''}"
     if weights:
         torch.manual_seed(1)
-        model = AutoModelForCausalLM.from_config(_llama_config())
+        model = AutoModelForCausalLM.from_config(config)
         with torch.no_grad():  # far from any fresh init: the runs' first loss shows the load
             model.lm_head.weight.mul_(30)
         model.save_pretrained(where)
     else:
-        _llama_config().save_pretrained(where)
+        config.save_pretrained(where)
     return where
 
 
@@ -116,6 +120,38 @@ def test_pp_llama_finetuning_from_weights_equals_the_1d_run(runs):
     assert runs["f"][1][0]["loss"] > runs["a"][1][0]["loss"] + 0.5  # the weights, not an init
 
 
+@pytest.fixture(scope="module")
+def tied_runs(tmp_path_factory) -> dict:
+    """A Llama with tie_word_embeddings, from a config and from weights (the file holds the
+    matrix once). T runs ZBVZeroBubble (pp 2, 2 stages per rank: both ends of the tie on pp
+    rank 0), V 1F1B (the ends on two pp ranks); U and W are their dp 2 runs."""
+    root = tmp_path_factory.mktemp("train_pp_hf_tied")
+    inputs = write_inputs(root)
+    config = [*inputs, *RUN, "--model.hf", str(_llama_dir(root, tied=True))]
+    weights = [*inputs, *RUN, "--model.hf", str(_llama_dir(root, weights=True, tied=True))]
+    zbv = [*PP, "--parallelism.schedule", "ZBVZeroBubble", "--parallelism.stages_per_rank", "2"]
+    done = {
+        "t": _train(*config, *zbv, *NO_CKPT, "--out", str(root / "t")),
+        "u": _train(*config, *DP, *NO_CKPT, "--out", str(root / "u")),
+        "v": _train(*weights, *PP, *NO_CKPT, "--out", str(root / "v")),
+        "w": _train(*weights, *DP, *NO_CKPT, "--out", str(root / "w")),
+    }
+    return {name: (proc.stdout, metrics(root / name)) for name, proc in done.items()}
+
+
+@pytest.mark.slow  # four launches of 2-4 CPU workers
+def test_pp_tied_llama_equals_the_1d_run_step_for_step(tied_runs):
+    """Both copies start at the unsplit matrix and take the sum of both uses' gradients:
+    the V-shaped run (the tie within one rank) and the 1F1B run from weights (the head's copy
+    read from model.embed_tokens.weight, the tie across pp ranks) follow their dp 2 runs."""
+    out, rows = tied_runs["t"]
+    assert "ZBVZeroBubble" in out
+    assert_same_curve(rows, tied_runs["u"][1])
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert_same_curve(tied_runs["v"][1], tied_runs["w"][1])
+    assert tied_runs["v"][1][0]["loss"] > rows[0]["loss"] + 0.5  # the weights, not an init
+
+
 def _packed_rows() -> tuple[torch.Tensor, torch.Tensor]:
     """Two rows of 16 tokens, each several documents (positions restart at every one)."""
     ids = torch.randint(0, 258, (2, 16), generator=torch.Generator().manual_seed(3))
@@ -136,7 +172,7 @@ def _chained(model, n_stages: int, ids, positions) -> torch.Tensor:
     last = n_stages - 1
     stages = [HFStage(model, split[s], first=s == 0, last=s == last) for s in range(n_stages)]
     names = sorted(name for stage in stages for name, _ in stage.named_parameters())
-    assert names == sorted(name for name, _ in model.named_parameters())  # topology-free
+    assert names == sorted(model.state_dict())  # topology-free (a tied head: both names)
     x = ids
     for stage in stages:
         x = stage(x, positions)
@@ -152,10 +188,11 @@ def _configs() -> dict:
     qwen2 = Qwen2Config(**small, use_sliding_window=True, sliding_window=3, max_window_layers=2,
                         layer_types=["full_attention"] * 2 + ["sliding_attention"] * 2)  # fmt: skip
     return {"llama": _llama_config(), "qwen2": qwen2,
-            "mistral": MistralConfig(**small, sliding_window=3)}  # fmt: skip
+            "mistral": MistralConfig(**small, sliding_window=3),
+            "llama_tied": _llama_config(tie_word_embeddings=True)}  # fmt: skip
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "llama_tied"])
 def test_stages_chained_equal_the_unsplit_model_on_packed_rows(arch):
     """The stages rebuild the unsplit model's rotary positions and per-document (and
     sliding-window) masks from position_ids alone; the rows pack several documents."""
@@ -198,6 +235,65 @@ def test_the_init_replay_gives_each_module_the_unsplit_generator_state():
         torch.testing.assert_close(module.weight, want[f"{name}.weight"], rtol=0, atol=0)
 
 
+def test_tied_stages_start_both_copies_at_the_unsplit_matrix():
+    """[Note: tied embeddings in HF stages]: the unsplit model's shared matrix takes the
+    embedding's draw, then the head's. The first stage's embedding and the last stage's own
+    copy of the head, each initialised from the replayed states (last stage first, from
+    another generator state), both hold that value, in parameters of their own."""
+    from transformers import AutoModelForCausalLM
+
+    from flatshard.tools.train.pipeline_hf import _stage_init
+
+    config, device = _llama_config(tie_word_embeddings=True), torch.device("cpu")
+    torch.manual_seed(5)
+    whole = AutoModelForCausalLM.from_config(config)
+    assert whole.lm_head.weight is whole.model.embed_tokens.weight
+    torch.manual_seed(5)
+    for unit in [*whole.model.layers, whole]:
+        _apply_skipping(whole, unit, {id(x) for x in whole.model.layers if x is not unit})
+    want = whole.lm_head.weight.detach().clone()
+    torch.manual_seed(5)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    states = init_states(meta, device)
+    first = HFStage(meta, range(0, 2), first=True, last=False)
+    last = HFStage(meta, range(2, 4), first=False, last=True)
+    for stage in (last, first):
+        stage.to_empty(device=device)
+        torch.manual_seed(123)
+        _stage_init(meta, stage, states, device)(stage)
+    assert last.lm_head.weight is not first.model.embed_tokens.weight
+    torch.testing.assert_close(first.model.embed_tokens.weight, want, rtol=0, atol=0)
+    torch.testing.assert_close(last.lm_head.weight, want, rtol=0, atol=0)
+    torch.testing.assert_close(last.model.norm.weight, whole.model.norm.weight, rtol=0, atol=0)
+
+
+def test_the_weights_loader_reads_a_tied_copy_from_its_source():
+    """save_pretrained writes a tied matrix once (model.embed_tokens.weight): the last stage's
+    head copy names that source, as transformers' _tied_weights_keys does; an untied model's
+    class-level mapping is not followed (its config unties), nor is a name the file has."""
+    from types import SimpleNamespace
+
+    from flatshard.checkpoint.sliced import _sources, _tied_sources
+
+    with torch.device("meta"):
+        tied, untied = (_model(_llama_config(tie_word_embeddings=t)) for t in (True, False))
+    last = HFStage(tied, range(2, 4), first=False, last=True)
+    assert _tied_sources(last) == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert _tied_sources(untied) == {}
+    assert _tied_sources(HFStage(untied, range(2, 4), first=False, last=True)) == {}
+    layout = SimpleNamespace(params={"lm_head.weight": 0, "model.norm.weight": 0}, aliases={},
+                             buffers={})  # fmt: skip
+    files = {"model.embed_tokens.weight": Path("a"), "model.norm.weight": Path("a")}
+    assert _sources(layout, files, _tied_sources(last)) == (
+        {"lm_head.weight": "model.embed_tokens.weight", "model.norm.weight": "model.norm.weight"},
+        [],
+    )
+    assert _sources(layout, files, {})[1] == ["lm_head.weight"]
+    both = {**files, "lm_head.weight": Path("b")}  # the file's own head wins
+    assert _sources(layout, both, _tied_sources(last))[0]["lm_head.weight"] == "lm_head.weight"
+
+
 def _apply_skipping(model, unit, skip: set[int]) -> None:
     def walk(module):
         for child in module.children():
@@ -220,7 +316,6 @@ def test_an_unsupported_architecture_cannot_be_cut():
     ("kind", "extra", "message"),
     [
         ("gpt2", [], "is a GPT2LMHeadModel: parallel.pp=2 cuts only the Llama layout"),
-        ("tied", [], "has tie_word_embeddings=true, which parallel.pp=2"),
         ("llama", ["--parallelism.tp", "2", "--nproc", "8"],
          "with parallel.pp=2 and parallel.tp=2 is not supported yet"),
         ("llama", ["--parallelism.stages_per_rank", "4", "--parallelism.schedule",
@@ -236,7 +331,6 @@ def test_unusable_hf_pipelines_are_refused_before_any_worker_starts(
         monkeypatch.delenv(name, raising=False)
     configs = {
         "gpt2": GPT2Config(vocab_size=300, n_embd=32, n_layer=2, n_head=2),
-        "tied": _llama_config(tie_word_embeddings=True),
         "llama": _llama_config(),
     }
     configs[kind].save_pretrained(tmp_path / kind)

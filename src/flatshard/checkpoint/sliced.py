@@ -11,6 +11,11 @@ shard), where ``read`` leaves them in the page cache. Host memory is the shard p
 fragment (measured: ``bench/bench_pretrained_load.py``, docs/checkpoints.md; that page also
 gives the time ``safe_open(...).get_slice`` took instead).
 (A ``torch.save`` file cannot be sliced: it goes through rank 0, see ``full_file.py``.)
+
+A name the files lack is read from the source a tied model maps it to, when the model declares
+the mapping as transformers does (``_tied_weights_keys = {"lm_head.weight":
+"model.embed_tokens.weight"}``): ``save_pretrained`` writes a tied matrix once, under its
+source, and a model (or a pipeline stage) holding its own copy of the head reads that.
 """
 
 from __future__ import annotations
@@ -49,12 +54,27 @@ def _weight_files(path: Path) -> dict[str, Path]:
     return _weight_files(path / SINGLE)
 
 
-def _sources(layout: ModelLayout, files: dict[str, Path]) -> tuple[dict[str, str], list[str]]:
+def _tied_sources(model: nn.Module) -> dict[str, str]:
+    """transformers' mapping of a tied name to its source (a dict since transformers 5; a
+    list of names before, which names no source), unless the model's config unties them
+    (transformers ties only under ``tie_word_embeddings``)."""
+    keys = getattr(model, "_tied_weights_keys", None)
+    config = getattr(model, "config", None)
+    if not isinstance(keys, dict) or not getattr(config, "tie_word_embeddings", True):
+        return {}
+    return {str(k): str(v) for k, v in keys.items()}
+
+
+def _sources(
+    layout: ModelLayout, files: dict[str, Path], tied: dict[str, str] | None = None
+) -> tuple[dict[str, str], list[str]]:
     """Per state-dict entry to fill, the stored name to read it from (any name of a tied
-    group will do); and the entries that have none."""
+    group will do, then the source ``tied`` maps it to); and the entries that have none."""
     names = {source: [source] for source in layout.params}
     for alias, source in layout.aliases.items():
         names[source].append(alias)
+    for group in names.values():
+        group += [tied[n] for n in list(group) if n in (tied or {})]
     sources, missing = {}, []
     for source, group in names.items():
         found = [n for n in group if n in files]
@@ -158,7 +178,7 @@ def load_sliced(path: Path, model: nn.Module) -> dict:
         error = None
         try:
             files = _weight_files(path)
-            sources, missing = _sources(layout, files)
+            sources, missing = _sources(layout, files, _tied_sources(model))
             if missing:
                 raise ValueError(f"lacks {missing[:5]}; pass the weights of this architecture")
             _check(layout, files, sources, opened)

@@ -125,6 +125,9 @@ def _build_units(
     on_meta = has_meta(model)
     for module, params in zip(plan.unit_modules, owned, strict=True):
         if not params:  # a matched module whose parameters all belong to an ancestor
+            if on_meta and module is model:  # a root of buffers only (a middle pipeline
+                # stage: its rotary table): no ancestor materialises them, so do it here
+                materialize_unit(module, [], slots, built, topology.device, options.init_fn)
             continue
         if on_meta:
             others = built - {id(module)}

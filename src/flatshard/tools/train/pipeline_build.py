@@ -152,6 +152,17 @@ def _schedule(cfg: TrainConfig, pipe_stages: list, loss: StepLoss) -> Any:
         ) from None
 
 
+def _ties(cfg: TrainConfig, n: int) -> list[dict[int, str]]:
+    """The parameters the first and last of ``n`` stages both hold: a tied head."""
+    if cfg.model.hf:  # see [Note: tied embeddings in HF stages]
+        from flatshard.tools.train.pipeline_hf import hf_ties
+
+        return hf_ties(cfg, n)
+    if cfg.model.tie_embeddings and n > 1:  # see [Note: whole-model names on every stage]
+        return [{0: "tok_emb.weight", n - 1: "lm_head.weight"}]
+    return []
+
+
 def build_pipeline(
     cfg: TrainConfig, rank: int, world: int, device: torch.device, local_world: int = 0,
     vocab_needed: int = 258,
@@ -188,9 +199,8 @@ def build_pipeline(
     ]
     loss = StepLoss(world // (pp * tp))
     schedule = _schedule(cfg, pipe_stages, loss)
-    tied = cfg.model.tie_embeddings and not cfg.model.hf  # model.hf: untied (pipeline_hf)
-    if tied and n > 1:  # see [Note: whole-model names on every stage]
-        fs.tie_across_stages(schedule, [{0: "tok_emb.weight", n - 1: "lm_head.weight"}])
+    if ties := _ties(cfg, n):
+        fs.tie_across_stages(schedule, ties)
     return Pipeline(
         mesh=mesh,
         stages=modules,

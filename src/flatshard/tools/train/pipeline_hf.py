@@ -32,8 +32,26 @@ before each module, and the stage's ``init_fn`` restores it before initialising 
 every weight gets the same numbers as in the unsplit run. Fine-tuning skips the replay and
 reads each stage's weights rank-sliced (``fs.load``, ``strict=False``: the other stages' too).
 
-Refused: other architectures, tied embeddings (the last stage would need its own copy of the
-embedding, initialised and loaded as one), and tensor parallelism.
+[Note: tied embeddings in HF stages]
+A model with ``tie_word_embeddings`` uses one matrix as ``model.embed_tokens.weight`` (first
+stage) and ``lm_head.weight`` (last stage). The last stage gets its own copy of the head
+(``TIED_HEAD``), so each stage shards a parameter of its own, and ``build_pipeline`` declares
+the pair with ``fs.tie_across_stages``: every step both copies get the sum of the two uses'
+gradients, as the one matrix does in the unsplit model. Both copies must start equal:
+
+* **initialisation**: in the unsplit model ``fs.shard`` gives the shared matrix real storage
+  once and runs the root unit's initialiser over it twice, the embedding's rule and then the
+  head's (``lm_head`` comes after ``model`` among the root's children), so the head's draw is
+  the value. The head's copy replays the head's draw; the first stage replays the
+  embedding's and then the head's, on its embedding (``_stage_init``);
+* **weights**: ``save_pretrained`` writes a tied matrix once, as
+  ``model.embed_tokens.weight``. The last stage names that source for its copy
+  (``_tied_weights_keys``, transformers' own mapping of a tied name to its source, which the
+  weights loader follows for a name the file lacks);
+* **checkpoints**: each stage saves its copy under its own name, so a checkpoint holds both,
+  and an unpipelined tied model reads the first name and treats the other as its alias.
+
+Refused: other architectures and tensor parallelism.
 """
 
 from __future__ import annotations
@@ -49,10 +67,20 @@ from torch import nn
 import flatshard as fs
 from flatshard.tools.train.config import TrainConfig
 
-__all__ = ["SUPPORTED", "HFStage", "build_hf_stages", "hf_pp_error", "init_states"]
+__all__ = [
+    "SUPPORTED",
+    "TIED_HEAD",
+    "HFStage",
+    "build_hf_stages",
+    "hf_pp_error",
+    "hf_ties",
+    "init_states",
+]
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 """Classes whose layout and decoder-layer call :class:`HFStage` reproduces."""
+TIED_HEAD = {"lm_head.weight": "model.embed_tokens.weight"}
+"""A tied model's head -> the embedding it copies ([Note: tied embeddings in HF stages])."""
 
 
 def _config(path: str) -> Any:
@@ -79,11 +107,6 @@ def hf_pp_error(cfg: TrainConfig, stages: int) -> str | None:
         return (f"model.hf={path!r} is a {name}: parallel.pp={p.pp} cuts only the Llama "
                 f"layout ({', '.join(SUPPORTED)}); pass --parallelism.pp 1 for this "
                 "model")  # fmt: skip
-    if getattr(config, "tie_word_embeddings", False):
-        return (f"model.hf={path!r} has tie_word_embeddings=true, which parallel.pp={p.pp} "
-                "does not support yet (the first and last stage would share the matrix); set "
-                "\"tie_word_embeddings\": false in its config.json, or pass "
-                "--parallelism.pp 1")  # fmt: skip
     layers = config.num_hidden_layers
     if stages > layers:
         return (f"{stages} pipeline stages need at least {stages} decoder layers, model.hf="
@@ -126,7 +149,12 @@ class HFStage(nn.Module):
         trunk.register_module("norm", hf.model.norm if last else None)
         trunk.rotary_emb = copy.deepcopy(hf.model.rotary_emb)  # buffers only: every stage
         self.model = trunk
-        self.register_module("lm_head", hf.lm_head if last else None)
+        self.tied = hf.lm_head.weight is hf.model.embed_tokens.weight
+        head = hf.lm_head if last else None
+        if head is not None and self.tied and not first:
+            head = copy.deepcopy(head)  # see [Note: tied embeddings in HF stages]
+            self._tied_weights_keys = dict(TIED_HEAD)  # read by the weights loader
+        self.register_module("lm_head", head)
         kinds = _mask_kinds(hf)
         self.kinds = {i: kinds[i] for i in layers}
 
@@ -220,6 +248,9 @@ def _stage_init(hf: nn.Module, stage: HFStage, states: dict, device) -> Callable
     state the unsplit model's initialisation had there."""
     names = {id(m): n for n, m in hf.named_modules()}
     names[id(stage.model.rotary_emb)] = "model.rotary_emb"  # the stage's copy
+    if stage.lm_head is not None:
+        names[id(stage.lm_head)] = "lm_head"  # the tied head's copy, if it is one
+    redraw = stage.tied and stage.lm_head is None and "lm_head" in states
 
     def init_unit(unit: nn.Module) -> None:
         for module in _post_order(unit, set()):
@@ -229,8 +260,29 @@ def _stage_init(hf: nn.Module, stage: HFStage, states: dict, device) -> Callable
             if name in states:
                 _set_rng_state(states[name], device)
             hf._init_weights(module)
+            if name == "model.embed_tokens" and redraw:
+                _head_draw_over(hf, module, states["lm_head"], device)
 
     return init_unit
+
+
+def _head_draw_over(hf: nn.Module, embedding: nn.Module, state: torch.Tensor, device) -> None:
+    """The unsplit model's last write to a tied matrix, on the first stage's embedding: the
+    head's initialiser from the head's generator state ([Note: tied embeddings in HF
+    stages])."""
+    head = copy.deepcopy(hf.lm_head)  # on the meta device: nothing is allocated
+    head._parameters["weight"] = embedding.weight
+    _set_rng_state(state, device)
+    hf._init_weights(head)
+
+
+def hf_ties(cfg: TrainConfig, stages: int) -> list[dict[int, str]]:
+    """``fs.tie_across_stages``'s declaration for ``model.hf`` cut into ``stages``: the
+    embedding and the head's copy when the config ties them, else none."""
+    if stages < 2 or not getattr(_config(cfg.model.hf), "tie_word_embeddings", False):
+        return []
+    ((head, embedding),) = TIED_HEAD.items()
+    return [{0: embedding, stages - 1: head}]
 
 
 def build_hf_stages(
