@@ -95,16 +95,24 @@ def runs(tmp_path_factory) -> dict:
     tuned = [*write_inputs(root), *RUN, "--model.hf", str(_llama_dir(root, weights=True))]
     done["f"] = _train(*tuned, *PP, *NO_CKPT, "--out", str(root / "f"))
     done["g"] = _train(*tuned, *DP, *NO_CKPT, "--out", str(root / "g"))
-    return {name: (proc.stdout, metrics(root / name)) for name, proc in done.items()}
+    runs = {name: (proc.stdout, metrics(root / name)) for name, proc in done.items()}
+    return runs | {"root": root}
 
 
 @pytest.mark.slow  # five launches of 2-4 CPU workers (~2 min on the shared 2-core box)
 def test_pp_llama_from_a_config_equals_the_1d_run_step_for_step(runs):
     out, rows = runs["a"]
     assert "4 rank(s) (pp 2 x dp 2, 1F1B, 4 microbatches)" in out
-    assert "LlamaForCausalLM from" in out and "no hf/ export" in out
+    assert "LlamaForCausalLM from" in out and "hf/ (from_pretrained)" in out
     assert_same_curve(rows, runs["b"][1])
     assert rows[-1]["loss"] < rows[0]["loss"]  # it learns
+    # OUT/hf: the pipelined run's final weights, gathered from both stages, are the 1-D run's
+    got, want = _exported(runs["root"] / "a"), _exported(runs["root"] / "b")
+    assert sorted(got) == sorted(want) and len(got) == 2 + 9 * 4 + 1  # embed, head, layers, norm
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=2e-5, msg=name)
+    assert not (runs["root"] / "a" / ".hf_export_checkpoint").exists()  # the scratch is gone
+    _from_pretrained_holds(runs["root"] / "a" / "hf", got)
 
 
 @pytest.mark.slow
@@ -136,7 +144,8 @@ def tied_runs(tmp_path_factory) -> dict:
         "v": _train(*weights, *PP, *NO_CKPT, "--out", str(root / "v")),
         "w": _train(*weights, *DP, *NO_CKPT, "--out", str(root / "w")),
     }
-    return {name: (proc.stdout, metrics(root / name)) for name, proc in done.items()}
+    runs = {name: (proc.stdout, metrics(root / name)) for name, proc in done.items()}
+    return runs | {"root": root}
 
 
 @pytest.mark.slow  # four launches of 2-4 CPU workers
@@ -150,6 +159,27 @@ def test_pp_tied_llama_equals_the_1d_run_step_for_step(tied_runs):
     assert rows[-1]["loss"] < rows[0]["loss"]
     assert_same_curve(tied_runs["v"][1], tied_runs["w"][1])
     assert tied_runs["v"][1][0]["loss"] > rows[0]["loss"] + 0.5  # the weights, not an init
+    # OUT/hf: both copies written, equal, and the 1-D run's one matrix
+    got, want = _exported(tied_runs["root"] / "t"), _exported(tied_runs["root"] / "u")
+    assert "lm_head.weight" in got and "lm_head.weight" not in want
+    torch.testing.assert_close(got["lm_head.weight"], got["model.embed_tokens.weight"])
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=2e-5, msg=name)
+
+
+def _exported(out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(out / "hf" / "model.safetensors")
+
+
+def _from_pretrained_holds(where: Path, tensors: dict) -> None:
+    """transformers reads the directory back: its model holds exactly the written tensors."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(where)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), tensors[name], rtol=0, atol=0, msg=name)
 
 
 def _packed_rows() -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import flatshard as fs
 from flatshard.comm.shutdown import end_process_group
 from flatshard.models.context_parallel import context_parallel_of
 from flatshard.tools.train import hf_model, pipeline
@@ -30,6 +29,7 @@ from flatshard.tools.train.checkpointing import (
 from flatshard.tools.train.config import TrainConfig
 from flatshard.tools.train.config_io import to_dict, to_toml
 from flatshard.tools.train.data import endless, load_corpus, make_sampler, validation_steps
+from flatshard.tools.train.hf_export import export_hf
 from flatshard.tools.train.job_layout import check_layout
 from flatshard.tools.train.launcher import LOCAL_LAUNCH_ENV
 from flatshard.tools.train.metrics import MetricsLog, peak_flops, read_metrics
@@ -255,14 +255,11 @@ def _finish(run: Run) -> dict[str, Any] | None:
     text = sample_text(run) if run.cfg.log.sample_tokens else ""
     if run.ckpt is not None:
         run.ckpt.wait()
-    if run.cfg.model.hf and (run.env.tp > 1 or run.env.pp > 1):
-        run.say("note: no hf/ export: save_pretrained of a tensor-parallel or pipelined model "
-                "is not supported yet; the checkpoints hold the weights")  # fmt: skip
+    if run.cfg.model.hf and run.env.tp > 1:
+        run.say("note: no hf/ export: save_pretrained of a tensor-parallel model is not "
+                "supported yet; the checkpoints hold the weights")  # fmt: skip
     elif run.cfg.model.hf:  # the final weights as a from_pretrained directory (collective)
-        fs.save_pretrained(run.model, run.out / "hf")
-        tok = getattr(run.corpus.tokenizer, "tok", None)  # the model's own tokenizer, if used
-        if tok is not None and run.env.rank == 0:
-            tok.save_pretrained(run.out / "hf")
+        export_hf(run)
     if run.log is None:
         return None
     rows = run.log.rows
@@ -289,7 +286,7 @@ def _outputs_line(run: Run) -> str:
     files = ["metrics.jsonl", *(["loss.png", "memory.png"] if plotted else []), "config.toml"]
     if run.ckpt is not None:
         files.append("checkpoints/")
-    if run.cfg.model.hf and run.env.tp == 1 and run.env.pp == 1:
+    if run.cfg.model.hf and run.env.tp == 1:
         files.append("hf/ (from_pretrained)")
     line = f"wrote {run.out}/{', '.join(files)}"
     if not plotted:
