@@ -54,7 +54,7 @@ def _qwen2_weights(root: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, list[float]]:
+def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("train_tp_variants")
     gpt = write_inputs(root)
     tp2, tp1 = ["--nproc", "4", "--parallelism.tp", "2"], ["--nproc", "2"]
@@ -67,7 +67,7 @@ def runs(tmp_path_factory) -> dict[str, list[float]]:
     hf = ["--model.hf", str(_qwen2_weights(root)), "--data", gpt[3], "--data.seq_len", "32"]
     out["hf_tp1"] = _train(root / "hf1", *hf, *tp1)
     out["hf_tp2"] = _train(root / "hf2", *hf, *tp2)
-    return out
+    return out | {"root": root}
 
 
 @pytest.mark.slow
@@ -80,3 +80,22 @@ def test_a_tp2_variant_equals_tp1_on_the_same_global_batch(runs, variant, baseli
     assert len(got) == len(want) == STEPS
     worst = max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
     assert worst <= TOL, (variant, got, want)
+
+
+@pytest.mark.slow
+def test_a_tp2_hf_run_exports_the_tp1_runs_weights(runs):
+    """OUT/hf/ of the tensor-parallel run (fs.save_pretrained gathers the TP blocks into global
+    tensors) holds the tp 1 run's final weights, and transformers reads it back."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    root = runs["root"]
+    got = load_file(root / "hf2" / "hf" / "model.safetensors")
+    want = load_file(root / "hf1" / "hf" / "model.safetensors")
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=2e-5, msg=name)
+    model = AutoModelForCausalLM.from_pretrained(root / "hf2" / "hf")
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), got[name], rtol=0, atol=0, msg=name)

@@ -255,10 +255,7 @@ def _finish(run: Run) -> dict[str, Any] | None:
     text = sample_text(run) if run.cfg.log.sample_tokens else ""
     if run.ckpt is not None:
         run.ckpt.wait()
-    if run.cfg.model.hf and run.env.tp > 1:
-        run.say("note: no hf/ export: save_pretrained of a tensor-parallel model is not "
-                "supported yet; the checkpoints hold the weights")  # fmt: skip
-    elif run.cfg.model.hf:  # the final weights as a from_pretrained directory (collective)
+    if run.cfg.model.hf:  # the final weights as a from_pretrained directory (collective)
         export_hf(run)
     if run.log is None:
         return None
@@ -286,7 +283,7 @@ def _outputs_line(run: Run) -> str:
     files = ["metrics.jsonl", *(["loss.png", "memory.png"] if plotted else []), "config.toml"]
     if run.ckpt is not None:
         files.append("checkpoints/")
-    if run.cfg.model.hf and run.env.tp == 1:
+    if run.cfg.model.hf:
         files.append("hf/ (from_pretrained)")
     line = f"wrote {run.out}/{', '.join(files)}"
     if not plotted:
