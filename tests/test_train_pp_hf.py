@@ -132,7 +132,9 @@ def test_pp_llama_finetuning_from_weights_equals_the_1d_run(runs):
 def tied_runs(tmp_path_factory) -> dict:
     """A Llama with tie_word_embeddings, from a config and from weights (the file holds the
     matrix once). T runs ZBVZeroBubble (pp 2, 2 stages per rank: both ends of the tie on pp
-    rank 0), V 1F1B (the ends on two pp ranks); U and W are their dp 2 runs."""
+    rank 0), V 1F1B (the ends on two pp ranks); U and W are their dp 2 runs. X is pp 2 x tp 2
+    from the weights under Interleaved1F1B (2 stages per rank, the tied copies split over tp),
+    Y its world-1 run."""
     root = tmp_path_factory.mktemp("train_pp_hf_tied")
     inputs = write_inputs(root)
     config = [*inputs, *RUN, "--model.hf", str(_llama_dir(root, tied=True))]
@@ -143,7 +145,11 @@ def tied_runs(tmp_path_factory) -> dict:
         "u": _train(*config, *DP, *NO_CKPT, "--out", str(root / "u")),
         "v": _train(*weights, *PP, *NO_CKPT, "--out", str(root / "v")),
         "w": _train(*weights, *DP, *NO_CKPT, "--out", str(root / "w")),
-    }
+        "x": _train(*weights, *PP, "--parallelism.tp", "2", "--parallelism.schedule",
+                    "Interleaved1F1B", "--parallelism.stages_per_rank", "2", *NO_CKPT,
+                    "--out", str(root / "x")),
+        "y": _train(*weights, "--nproc", "1", *NO_CKPT, "--out", str(root / "y")),
+    }  # fmt: skip
     runs = {name: (proc.stdout, metrics(root / name)) for name, proc in done.items()}
     return runs | {"root": root}
 
@@ -163,6 +169,19 @@ def test_pp_tied_llama_equals_the_1d_run_step_for_step(tied_runs):
     got, want = _exported(tied_runs["root"] / "t"), _exported(tied_runs["root"] / "u")
     assert "lm_head.weight" in got and "lm_head.weight" not in want
     torch.testing.assert_close(got["lm_head.weight"], got["model.embed_tokens.weight"])
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=2e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_pp_tp_tied_llama_equals_the_world_1_run(tied_runs):
+    """3-D with a transformers model: the stages made tensor-parallel (sequence parallel, the
+    stream crossing stages as sequence shards), two per rank, the tie summed per tp rank; the
+    curve and OUT/hf equal the one-process run's."""
+    out, rows = tied_runs["x"]
+    assert "(pp 2 x dp 1 x tp 2, Interleaved1F1B, 4 microbatches)" in out
+    assert_same_curve(rows, tied_runs["y"][1])
+    got, want = _exported(tied_runs["root"] / "x"), _exported(tied_runs["root"] / "y")
     for name, tensor in want.items():
         torch.testing.assert_close(got[name], tensor, rtol=0, atol=2e-5, msg=name)
 
@@ -346,8 +365,8 @@ def test_an_unsupported_architecture_cannot_be_cut():
     ("kind", "extra", "message"),
     [
         ("gpt2", [], "is a GPT2LMHeadModel: parallel.pp=2 cuts only the Llama layout"),
-        ("llama", ["--parallelism.tp", "2", "--nproc", "8"],
-         "with parallel.pp=2 and parallel.tp=2 is not supported yet"),
+        ("llama", ["--parallelism.tp", "3", "--nproc", "6", "--data.seq_len", "48"],
+         "over parallel.tp=3: num_attention_heads=4, num_key_value_heads=2, intermediate_size=64"),
         ("llama", ["--parallelism.stages_per_rank", "4", "--parallelism.schedule",
                    "Interleaved1F1B"], "8 pipeline stages need at least 8 decoder layers"),
     ],

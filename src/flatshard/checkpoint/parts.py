@@ -74,7 +74,8 @@ def model_parts(
 
 def checkpoint_group(models: list[nn.Module], across) -> dist.ProcessGroup:
     """Every rank that takes part: the parts' mesh, joined over ``across`` (the pp group)."""
-    groups = {id(g): g for g in (agree.model_group(m) for m in models)}
+    # by members, not identity: each stage made TP builds its own group of the same ranks
+    groups = {tuple(dist.get_process_group_ranks(g)): g for g in map(agree.model_group, models)}
     if len(groups) != 1:
         raise ValueError(
             "the model parts given to one fs.save/fs.load are sharded over different meshes; "

@@ -187,8 +187,8 @@ def build_pipeline(
     if cfg.model.hf:  # a transformers model: built on meta, cut, sharded (pipeline_hf)
         from flatshard.tools.train.pipeline_hf import build_hf_stages
 
-        dp_mesh = data_parallel_mesh(mesh)
-        modules = build_hf_stages(cfg, device, indices, n, dp_mesh, vocab_needed)
+        dp_mesh, tp_mesh = data_parallel_mesh(mesh), mesh["tp"] if tp > 1 else None
+        modules = build_hf_stages(cfg, device, indices, n, dp_mesh, vocab_needed, tp_mesh)
     else:
         modules = _stage_modules(cfg, device, indices, mesh, experts)
         for module in modules:

@@ -51,7 +51,21 @@ gradients, as the one matrix does in the unsplit model. Both copies must start e
 * **checkpoints**: each stage saves its copy under its own name, so a checkpoint holds both,
   and an unpipelined tied model reads the first name and treats the other as its alias.
 
-Refused: other architectures and tensor parallelism.
+[Note: HF stages under TP]
+With ``--parallelism.tp``, ``parallelize_hf`` makes the unsplit meta model tensor-parallel
+before ``fs.shard`` (the stages hold its modules; a tied head's copy gets the head's plan,
+``Shard(0)`` like the embedding). Under its sequence parallelism the residual stream is a
+``Shard(1)`` DTensor whose shape is the global one, which transformers' masks and positions
+read ([Note: RoPE and positions under SP] in models/tensor_parallel.py). Between stages it
+travels as each tp rank's local sequence shard, ``[B, T / tp, C]`` (what torch's
+``PipelineStage`` sends): a stage wraps what it receives back into the ``Shard(1)`` stream and
+returns the local shard of its output; the last stage's head gathers the logits, so the loss
+sees whole rows on every tp rank. From a config each TP block draws its own numbers from the
+replayed generator states (a tp run without pp draws other ones: a TP block is smaller than
+its tensor), so only runs from weights repeat the unsplit curve exactly.
+
+Refused: other architectures, and a tp that does not divide the heads, the kv heads, the MLP
+width or the vocabulary.
 """
 
 from __future__ import annotations
@@ -98,15 +112,16 @@ def _class_name(config: Any) -> str:
 def hf_pp_error(cfg: TrainConfig, stages: int) -> str | None:
     """Why ``model.hf`` cannot be cut into ``stages`` stages, with the fix; None if it can."""
     p, path = cfg.parallel, cfg.model.hf
-    if p.tp > 1:
-        return (f"model.hf={path!r} with parallel.pp={p.pp} and parallel.tp={p.tp} is not "
-                "supported yet; pass --parallelism.tp 1 (or --parallelism.pp 1)")  # fmt: skip
     config = _config(path)
     name = _class_name(config)
     if name not in SUPPORTED:
         return (f"model.hf={path!r} is a {name}: parallel.pp={p.pp} cuts only the Llama "
                 f"layout ({', '.join(SUPPORTED)}); pass --parallelism.pp 1 for this "
                 "model")  # fmt: skip
+    sizes = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+    if bad := [f"{k}={getattr(config, k)}" for k in sizes if getattr(config, k) % p.tp]:
+        return (f"model.hf={path!r} cannot be split over parallel.tp={p.tp}: {', '.join(bad)} "
+                "not divisible by it; pass a --parallelism.tp that divides them")  # fmt: skip
     layers = config.num_hidden_layers
     if stages > layers:
         return (f"{stages} pipeline stages need at least {stages} decoder layers, model.hf="
@@ -155,6 +170,7 @@ class HFStage(nn.Module):
             head = copy.deepcopy(head)  # see [Note: tied embeddings in HF stages]
             self._tied_weights_keys = dict(TIED_HEAD)  # read by the weights loader
         self.register_module("lm_head", head)
+        self.tp_mesh: Any = None  # set by _tensor_parallel: see [Note: HF stages under TP]
         kinds = _mask_kinds(hf)
         self.kinds = {i: kinds[i] for i in layers}
 
@@ -179,15 +195,19 @@ class HFStage(nn.Module):
         ``[B, T, C]``, or logits ``[B, T, V]`` on the last stage."""
         trunk = self.model
         if trunk.embed_tokens is not None:
-            x = trunk.embed_tokens(x)  # [B, T, C]
+            x = trunk.embed_tokens(x)  # [B, T, C] (under TP a Shard(1) DTensor)
+        elif self.tp_mesh is not None:  # the sequence shard a stage receives: the stream again
+            from torch.distributed.tensor import DTensor, Shard
+
+            x = DTensor.from_local(x, self.tp_mesh, [Shard(1)], run_check=False)
         masks = self._masks(x, position_ids)
         rope = trunk.rotary_emb(x, position_ids)  # (cos, sin), [B, T, D] each
         for key, layer in trunk.layers.items():
             x = layer(x, attention_mask=masks[self.kinds[int(key)]], position_embeddings=rope,
                       position_ids=position_ids, use_cache=False)  # fmt: skip
         if self.lm_head is not None:
-            x = self.lm_head(trunk.norm(x))  # [B, T, V]
-        return x
+            return self.lm_head(trunk.norm(x))  # [B, T, V] (under TP gathered, local)
+        return x.to_local() if self.tp_mesh is not None else x  # its sequence shard
 
 
 def _rng_state(device: torch.device) -> torch.Tensor:
@@ -287,10 +307,11 @@ def hf_ties(cfg: TrainConfig, stages: int) -> list[dict[int, str]]:
 
 def build_hf_stages(
     cfg: TrainConfig, device: torch.device, indices: list[int], n: int, dp_mesh: Any,
-    vocab_needed: int,
+    vocab_needed: int, tp_mesh: Any = None,
 ) -> list[HFStage]:  # fmt: skip
-    """This rank's stages of ``model.hf``, built on meta, sharded over ``dp_mesh``,
-    initialised as the unsplit model (or read from the directory's weights)."""
+    """This rank's stages of ``model.hf``, built on meta, made tensor-parallel over
+    ``tp_mesh`` if given, sharded over ``dp_mesh``, initialised as the unsplit model (or read
+    from the directory's weights)."""
     from transformers import AutoModelForCausalLM
 
     from flatshard.tools.train import hf_model
@@ -308,6 +329,8 @@ def build_hf_stages(
     states = {} if weights else init_states(hf, device)
     split = layer_split(config.num_hidden_layers, n)
     stages = [HFStage(hf, split[s], first=s == 0, last=s == n - 1) for s in indices]
+    if tp_mesh is not None:
+        _tensor_parallel(hf, stages, tp_mesh)
     for stage in stages:
         stage.whole_params = whole
         fs.shard(stage, policy=fs.wrap.by_type(type(hf.model.layers[0])),
@@ -317,6 +340,19 @@ def build_hf_stages(
         if weights:  # rank-sliced; the file also holds the other stages' weights
             fs.load(where, model=stage, strict=False)
     return stages
+
+
+def _tensor_parallel(hf: nn.Module, stages: list[HFStage], tp_mesh: Any) -> None:
+    """``parallelize_hf``'s plan on the unsplit meta model, whose modules the stages hold, and
+    the head's plan on a tied head's copy (``Shard(0)``, as the embedding: what
+    ``fs.tie_across_stages`` needs); see [Note: HF stages under TP]."""
+    from flatshard.models.tensor_parallel import parallelize_gpt_head, parallelize_hf
+
+    parallelize_hf(hf, tp_mesh)
+    for stage in stages:
+        stage.tp_mesh = tp_mesh
+        if stage.lm_head is not None and stage.lm_head is not hf.lm_head:
+            parallelize_gpt_head(stage.lm_head, tp_mesh)
 
 
 def flops_per_token(stage: HFStage, attention_length: float) -> float:

@@ -199,7 +199,8 @@ def _header(run: Run) -> str:
     if env.cp > 1:
         tp = f" (dp {env.dp_world} x cp {env.cp}, head-tail split rows)"
     if env.pp > 1:
-        tp = (f" (pp {env.pp} x dp {env.dp_world}, {cfg.parallel.schedule}, "
+        with_tp = f" x tp {env.tp}" if env.tp > 1 else ""
+        tp = (f" (pp {env.pp} x dp {env.dp_world}{with_tp}, {cfg.parallel.schedule}, "
               f"{pipeline.microbatch_count(cfg)} microbatches)")  # fmt: skip
     return "\n".join([
         f"flatshard train: {env.world} rank(s){tp}, {cfg.parallel.backend} on "
