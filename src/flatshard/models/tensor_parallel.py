@@ -62,6 +62,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from flatshard.models.float8_tp import float8_styles, has_float8_linears
 from flatshard.models.gpt import GPT
 
 __all__ = ["HF_ARCHITECTURES", "parallelize_gpt", "parallelize_gpt_head", "parallelize_hf"]
@@ -118,7 +119,9 @@ def parallelize_gpt(
     for block in model.layers:
         # The stream stays local between sublayers (torchtitan's choice): the residual adds and
         # dropout then run on plain tensors.
-        parallelize_module(block, tp_mesh, _block_plan(layout, sp, local_stream=True))
+        float8 = tp_mesh if has_float8_linears(block) else None  # a pipeline converts its own
+        plan = _block_plan(layout, sp, local_stream=True, float8=float8)
+        parallelize_module(block, tp_mesh, plan)
     if c.tie_embeddings:
         _retie(model.tok_emb, model.lm_head)
     if sp:
@@ -195,18 +198,24 @@ def parallelize_hf(
     return model
 
 
-def _block_plan(layout: _BlockLayout, sp: bool, *, local_stream: bool) -> dict[str, ParallelStyle]:
-    """One block's plan; ``local_stream``: rowwise outputs leave as local tensors, not DTensors."""
+def _block_plan(
+    layout: _BlockLayout, sp: bool, *, local_stream: bool, float8: DeviceMesh | None = None
+) -> dict[str, ParallelStyle]:
+    """One block's plan; ``local_stream``: rowwise outputs leave as local tensors, not DTensors;
+    ``float8``: the tp mesh when the projections are torchao ``Float8Linear``s (models/
+    float8_tp.py)."""
+    styles = float8_styles(float8) if float8 is not None else (ColwiseParallel, RowwiseParallel)
+    colwise, rowwise = styles
     stream = Shard(1) if sp else Replicate()  # the residual stream's layout between sublayers
     plan: dict[str, ParallelStyle] = {}
     if sp:
         plan.update({norm: SequenceParallel() for norm in layout.norms})
     plan[layout.attn] = _gather_input(stream, layout.attn_input)
     plan[layout.mlp] = _gather_input(stream, 1)
-    plan.update({name: ColwiseParallel() for name in layout.colwise})
+    plan.update({name: colwise() for name in layout.colwise})
     plan.update(
         {
-            name: RowwiseParallel(output_layouts=stream, use_local_output=local_stream)
+            name: rowwise(output_layouts=stream, use_local_output=local_stream)
             for name in layout.rowwise
         }
     )

@@ -128,6 +128,7 @@ def build_model(cfg: TrainConfig, env: Env, vocab_needed: int = 258) -> GPT:
     else:
         with env.device:
             model = GPT(gpt_config(cfg))
+    model = convert_model(model, cfg, env.device)  # float8 before TP: [Note: float8 under TP]
     if tp_mesh is not None:
         tensor_parallel.parallelize(model, tp_mesh, cfg)
     if env.cp > 1:  # see [Note: the trainer's (dp, cp) layout]; fs.shard over all ranks
@@ -135,7 +136,7 @@ def build_model(cfg: TrainConfig, env: Env, vocab_needed: int = 258) -> GPT:
 
         parallelize(model, env.device.type, env.world, env.cp, cfg.parallel.cp_attention)
     return fs.shard(
-        convert_model(model, cfg, env.device),
+        model,
         policy=fs.wrap.by_type(Block),
         strategy=cfg.parallel.strategy,
         mixed_precision=mixed_precision(cfg),
@@ -239,14 +240,14 @@ def convert_model(model: GPT, cfg: TrainConfig, device: torch.device) -> GPT:
 
 
 def _check_float8(cfg: TrainConfig, env: Env) -> None:
-    """--model.float8 covers the dense GPT under data and pipeline parallelism."""
+    """--model.float8 covers the dense GPT under data, tensor and pipeline parallelism."""
     other = {"model.hf": cfg.model.hf, "model.experts": cfg.model.experts,
-             "parallelism.tp": env.tp > 1, "parallelism.cp": env.cp > 1}  # fmt: skip
+             "parallelism.cp": env.cp > 1}  # fmt: skip
     used = [name for name, on in other.items() if on]
     if cfg.model.float8 and used:
         raise ValueError(
             f"model.float8=true is not supported with {', '.join(used)}: pass --model.float8 "
-            "false, or train the dense GPT with data (and pipeline) parallelism only"
+            "false, or train the dense GPT with data, tensor and pipeline parallelism only"
         )
 
 
