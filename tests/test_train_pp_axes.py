@@ -157,7 +157,7 @@ def _sample(stdout: str) -> str:
 @pytest.mark.slow  # four launches of 1-4 CPU workers (~2 min on the shared 2-core box)
 def test_pp_x_tp_equals_the_1d_run_step_for_step(tp_runs):
     out, rows = tp_runs["a"]
-    assert "4 rank(s) (pp 2 x dp 1, 1F1B, 4 microbatches)" in out
+    assert "4 rank(s) (pp 2 x dp 1 x tp 2, 1F1B, 4 microbatches)" in out
     assert_same_curve(rows, tp_runs["b"][1])
     assert rows[-1]["loss"] < rows[0]["loss"]  # it learns
     assert _sample(out) == _sample(tp_runs["b"][0])  # the padded context, the last stage
@@ -176,7 +176,7 @@ def test_pp_x_tp_checkpoints_resume_in_another_layout(tp_runs, name):
 @pytest.mark.slow  # eight CPU workers, then two: several minutes on the shared 2-core box
 def test_pp_x_dp_x_tp_at_world_8_equals_the_1d_run_step_for_step(world8_runs):
     out, rows = world8_runs["t"]
-    assert "8 rank(s) (pp 2 x dp 2, 1F1B, 4 microbatches)" in out
+    assert "8 rank(s) (pp 2 x dp 2 x tp 2, 1F1B, 4 microbatches)" in out
     assert_same_curve(rows, world8_runs["r"][1])
     assert _sample(out) == _sample(world8_runs["r"][0])
 
