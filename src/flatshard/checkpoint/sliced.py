@@ -70,11 +70,12 @@ def _sources(
 ) -> tuple[dict[str, str], list[str]]:
     """Per state-dict entry to fill, the stored name to read it from (any name of a tied
     group will do, then the source ``tied`` maps it to); and the entries that have none."""
+    tied = tied or {}
     names = {source: [source] for source in layout.params}
     for alias, source in layout.aliases.items():
         names[source].append(alias)
     for group in names.values():
-        group += [tied[n] for n in list(group) if n in (tied or {})]
+        group += [tied[n] for n in list(group) if n in tied]
     sources, missing = {}, []
     for source, group in names.items():
         found = [n for n in group if n in files]

@@ -22,11 +22,13 @@ float8 through ``fs.shard``'s own gathers, which move float8 as bytes on any bac
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+
+from flatshard.comm.collectives import waits_on_host
 
 __all__ = ["carries_float8", "float8_styles", "has_float8_linears"]
 
@@ -37,8 +39,9 @@ def has_float8_linears(model: nn.Module) -> bool:
 
 
 def carries_float8(tp_mesh: DeviceMesh) -> bool:
-    """Whether the tp group's backend moves float8 tensors (NCCL does, Gloo does not)."""
-    return str(dist.get_backend(tp_mesh.get_group())) != "gloo"
+    """Whether the tp group's backend moves float8 tensors: NCCL does; Gloo (the groups whose
+    waits block the host) does not."""
+    return not waits_on_host(tp_mesh.get_group())
 
 
 def float8_styles(tp_mesh: DeviceMesh) -> tuple[type, type]:
@@ -53,6 +56,7 @@ def float8_styles(tp_mesh: DeviceMesh) -> tuple[type, type]:
     return Float8ColwiseParallel, _gather_then_cast_rowwise(Float8RowwiseParallel)
 
 
+@functools.cache  # one class, whatever the number of blocks
 def _gather_then_cast_rowwise(base: type) -> type:
     """torchao's rowwise style with its output's gradient cast to float8 *after* the
     redistribution's backward (an all-gather under sequence parallelism), not before."""

@@ -65,10 +65,18 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from flatshard.models.float8_tp import float8_styles, has_float8_linears
 from flatshard.models.gpt import GPT
 
-__all__ = ["HF_ARCHITECTURES", "parallelize_gpt", "parallelize_gpt_head", "parallelize_hf"]
+__all__ = [
+    "HF_ARCHITECTURES",
+    "HF_SPLIT_SIZES",
+    "parallelize_gpt",
+    "parallelize_gpt_head",
+    "parallelize_hf",
+]
 
 HF_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 """The Hugging Face classes :func:`parallelize_hf` has a plan for."""
+HF_SPLIT_SIZES = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+"""The config sizes :func:`parallelize_hf` splits over tp: each must divide by the tp degree."""
 
 
 @dataclass(frozen=True)
@@ -167,8 +175,8 @@ def parallelize_hf(
     _check_not_parallel(model)
     tp = _tp_degree(tp_mesh)
     cfg = model.config
-    names = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
-    _check_divisible(tp, {n: getattr(cfg, n) for n in names}, f"{type(model).__name__}'s config")
+    sizes = {n: getattr(cfg, n) for n in HF_SPLIT_SIZES}
+    _check_divisible(tp, sizes, f"{type(model).__name__}'s config")
     sp = sequence_parallel
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     root_plan: dict[str, ParallelStyle] = {

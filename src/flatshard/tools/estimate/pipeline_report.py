@@ -19,7 +19,7 @@ from flatshard.tools.estimate.bubble import (
     held_microbatches,
 )
 from flatshard.tools.estimate.report import GIB, Report
-from flatshard.tools.estimate.stage_memory import PIPE_SCHEDULES, stage_memory
+from flatshard.tools.estimate.stage_memory import PIPE_SCHEDULES, every_rank
 
 __all__ = ["add_options", "format_section", "section"]
 
@@ -72,7 +72,7 @@ def _stage_memory(r: Report, schedule: str, pp: int, m: int, v: int) -> dict[str
     if (schedule not in PIPE_SCHEDULES or (schedule == "1F1B" and v != 1) or not r.work.act_ckpt
             or r.layout.cp > 1 or r.device.name == "cpu"):  # fmt: skip
         return {}
-    ranks = [stage_memory(r.spec, r.layout, r.work, schedule, pp, m, v, k) for k in range(pp)]
+    ranks = every_rank(r.spec, r.layout, r.work, schedule, pp, m, v)
     top = max(ranks, key=lambda s: s.reserved)
     return {"stage_memory": {f"rank {s.rank}": {
         "stages": list(s.stages), "blocks": list(s.blocks), "peak": s.peak,

@@ -17,7 +17,7 @@ from flatshard.tools.estimate.devices import DEVICES
 from flatshard.tools.estimate.memory import estimate_memory
 from flatshard.tools.estimate.reserved import estimate_reserved
 from flatshard.tools.estimate.spec import Layout, ModelSpec, Precision, Workload
-from flatshard.tools.estimate.stage_memory import stage_memory
+from flatshard.tools.estimate.stage_memory import every_rank
 from flatshard.tools.estimate.steptime import estimate_time
 
 __all__ = ["KNOWN_GAPS", "PUBLISHED", "Estimate", "PublishedRun", "estimate_run"]
@@ -94,8 +94,8 @@ def estimate_run(run: PublishedRun) -> Estimate:
     gpus = run.layout.tp * run.layout.cp * run.pp
     # The benchmark's footnote: "Different PP ranks can have different peak memory usages. We
     # take the maximum across all GPUs." So every pp rank is replayed and the highest kept.
-    ranks = [stage_memory(run.spec, run.layout, run.work, run.schedule, run.pp, run.microbatches,
-                          run.stages_per_rank, rank=k) for k in range(run.pp)]  # fmt: skip
+    ranks = every_rank(run.spec, run.layout, run.work, run.schedule, run.pp, run.microbatches,
+                       run.stages_per_rank)  # fmt: skip
     peak = max(s.peak for s in ranks)
     reserved = max(s.reserved for s in ranks)
     return Estimate(run.work.tokens / step / gpus, peak / 2**30, parts, reserved / 2**30)

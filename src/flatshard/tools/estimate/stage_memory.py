@@ -71,7 +71,14 @@ from flatshard.tools.estimate.reserved import (
 from flatshard.tools.estimate.spec import Layout, ModelSpec, Workload
 from flatshard.tools.estimate.tp_cost import local_spec
 
-__all__ = ["PIPE_SCHEDULES", "StageMemory", "rank_order", "split_layers", "stage_memory"]
+__all__ = [
+    "PIPE_SCHEDULES",
+    "StageMemory",
+    "every_rank",
+    "rank_order",
+    "split_layers",
+    "stage_memory",
+]
 
 PIPE_SCHEDULES = ("1F1B", "Interleaved1F1B")
 """The schedules whose order the stage model replays (torch's ``Schedule1F1B`` and
@@ -335,3 +342,13 @@ def stage_memory(
     return StageMemory(rank, tuple(st.index for st in stages),
                        tuple(counts[st.index] for st in stages), peak.total, peak.name,
                        sum(parts.values()), parts, phases)  # fmt: skip
+
+
+def every_rank(
+    spec: ModelSpec, layout: Layout, work: Workload, schedule: str, pp: int, microbatches: int,
+    stages_per_rank: int = 1,
+) -> list[StageMemory]:  # fmt: skip
+    """:func:`stage_memory` of each pp rank, in rank order (the published figures are the
+    highest over them: see the Note's "Which rank")."""
+    return [stage_memory(spec, layout, work, schedule, pp, microbatches, stages_per_rank, k)
+            for k in range(pp)]  # fmt: skip

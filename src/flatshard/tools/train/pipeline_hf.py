@@ -77,8 +77,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 import flatshard as fs
+from flatshard.models.tensor_parallel import HF_SPLIT_SIZES
 from flatshard.tools.train.config import TrainConfig
 
 __all__ = [
@@ -118,8 +120,7 @@ def hf_pp_error(cfg: TrainConfig, stages: int) -> str | None:
         return (f"model.hf={path!r} is a {name}: parallel.pp={p.pp} cuts only the Llama "
                 f"layout ({', '.join(SUPPORTED)}); pass --parallelism.pp 1 for this "
                 "model")  # fmt: skip
-    sizes = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
-    if bad := [f"{k}={getattr(config, k)}" for k in sizes if getattr(config, k) % p.tp]:
+    if bad := [f"{k}={getattr(config, k)}" for k in HF_SPLIT_SIZES if getattr(config, k) % p.tp]:
         return (f"model.hf={path!r} cannot be split over parallel.tp={p.tp}: {', '.join(bad)} "
                 "not divisible by it; pass a --parallelism.tp that divides them")  # fmt: skip
     layers = config.num_hidden_layers
@@ -197,8 +198,6 @@ class HFStage(nn.Module):
         if trunk.embed_tokens is not None:
             x = trunk.embed_tokens(x)  # [B, T, C] (under TP a Shard(1) DTensor)
         elif self.tp_mesh is not None:  # the sequence shard a stage receives: the stream again
-            from torch.distributed.tensor import DTensor, Shard
-
             x = DTensor.from_local(x, self.tp_mesh, [Shard(1)], run_check=False)
         masks = self._masks(x, position_ids)
         rope = trunk.rotary_emb(x, position_ids)  # (cos, sin), [B, T, D] each
@@ -290,10 +289,13 @@ def _head_draw_over(hf: nn.Module, embedding: nn.Module, state: torch.Tensor, de
     """The unsplit model's last write to a tied matrix, on the first stage's embedding: the
     head's initialiser from the head's generator state ([Note: tied embeddings in HF
     stages])."""
-    head = copy.deepcopy(hf.lm_head)  # on the meta device: nothing is allocated
-    head._parameters["weight"] = embedding.weight
-    _set_rng_state(state, device)
-    hf._init_weights(head)
+    head, shared = hf.lm_head, hf.lm_head._parameters["weight"]
+    head._parameters["weight"] = embedding.weight  # the head's rule, on the embedding's storage
+    try:
+        _set_rng_state(state, device)
+        hf._init_weights(head)
+    finally:
+        head._parameters["weight"] = shared
 
 
 def hf_ties(cfg: TrainConfig, stages: int) -> list[dict[int, str]]:
