@@ -46,17 +46,18 @@ def test_orders_of_torch_schedules():
 
 def test_1f1b_first_rank_by_hand():
     """8 blocks, pp 2: rank 0 holds stage 0 (4 blocks and the embedding). Each microbatch in
-    flight keeps 4 block inputs and the stage's output (5 X); a gradient receive buffer per
-    microbatch (2 X). At the end of the first backward: the other microbatch (5 X) and the
-    first block's input (X); the whole unsharded fp32 gradient and one block's bf16 one."""
+    flight keeps 4 block inputs (4 X), and its output stays to the step's end (X); a gradient
+    receive buffer per microbatch (2 X). At the end of the first backward: the other
+    microbatch's inputs (4 X) and the first block's input (X), both outputs; the whole
+    unsharded fp32 gradient and one block's bf16 one."""
     mem = stage_memory(_spec(8), LAY, WORK, "1F1B", pp=2, microbatches=2, rank=0)
     assert mem.stages == (0,) and mem.blocks == (4,)
     start = _phase(mem, "backward start (stage 0, microbatch 0)")
-    assert start["activations"] == 2 * 5 * X
+    assert start["activations"] == 2 * 4 * X and start["outputs"] == 2 * X
     assert start["pipe_buffers"] == 2 * X
     assert start["unit_grads"] == BLOCK * 2  # nothing accumulated yet
     end = _phase(mem, "backward end (stage 0, microbatch 0)")
-    assert end["activations"] == 5 * X + X
+    assert end["activations"] == 4 * X + X and end["outputs"] == 2 * X
     assert end["unit_grads"] == (4 * BLOCK + EMBED) * 4 + BLOCK * 2
     # gathered for the whole step: 4 blocks and the embedding, bf16
     assert end["gathered"] == (4 * BLOCK + EMBED) * 2
@@ -71,9 +72,9 @@ def test_interleaved_holds_the_same_but_accumulates_half():
     mem = stage_memory(_spec(8), LAY, WORK, "Interleaved1F1B", 2, 2, stages_per_rank=2, rank=0)
     assert mem.stages == (0, 2) and mem.blocks == (2, 2)
     start = _phase(mem, "backward start (stage 2, microbatch 0)")
-    # stage 0: 2 inputs + output per microbatch; stage 2: 1 input (the other is its receive
-    # buffer) + output: 2 x 3 X + 2 x 2 X = 10 X, as 1F1B's 2 x 5 X
-    assert start["activations"] == 10 * X
+    # stage 0: 2 inputs per microbatch; stage 2: 1 input (the other is its receive buffer);
+    # and each stage's output: 2 x (2 + 1) X + 2 x 2 X = 10 X, as 1F1B's 2 x (4 + 1) X
+    assert start["activations"] == 6 * X and start["outputs"] == 4 * X
     assert start["pipe_buffers"] == 2 * X + 2 * 2 * X  # stage 0: grads; stage 2: inputs, grads
     end = _phase(mem, "backward end (stage 2, microbatch 0)")
     assert end["unit_grads"] == 2 * BLOCK * 4 + BLOCK * 2
@@ -90,3 +91,19 @@ def test_refusals():
         stage_memory(_spec(8), LAY, WORK, "GPipe", 2, 2)
     with pytest.raises(ValueError, match="do not divide"):
         stage_memory(_spec(8), LAY, WORK, "1F1B", 2, 3)
+
+
+def test_last_stage_keeps_its_logits_to_the_step_end():
+    """torch's stage (the published runs' version) kept every microbatch's output in
+    ``output_chunks`` until the step's end, and the schedule concatenates them there: on the
+    last stage those are the logits (compute dtype, 2 x 16 tokens x vocabulary 128 x 2 bytes
+    each). Under 1F1B rank 1 runs F0 B0 F1 B1: at B1 both logits are kept."""
+    logits = 2 * 16 * 128 * 2
+    mem = stage_memory(_spec(8), LAY, WORK, "1F1B", pp=2, microbatches=2, rank=1)
+    assert _phase(mem, "loss backward (stage 1, microbatch 0)")["outputs"] == logits
+    assert _phase(mem, "loss backward (stage 1, microbatch 1)")["outputs"] == 2 * logits
+    merge = _phase(mem, "merge outputs")
+    assert merge["outputs"] == merge["merged"] == 2 * logits
+    assert merge["gradients"] == -(-(4 * BLOCK + EMBED + 64) // 2) * 4  # the fp32 shards
+    first = stage_memory(_spec(8), LAY, WORK, "1F1B", pp=2, microbatches=2, rank=0)
+    assert all(p.name != "merge outputs" for p in first.phases)  # only the last stage merges

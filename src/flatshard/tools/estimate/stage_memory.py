@@ -34,14 +34,20 @@ and the end of every pass, what the rank holds then. Each assumption, with its s
   (reduce-scatter, then reshard), which frees the unsharded gradient and the gathered
   parameters and leaves the fp32 gradient shards.
 * **Activations per microbatch in flight** (full AC: a block keeps only its input): each block
-  input of the stage, and the stage's output (``fwd_cache`` keeps it until the backward); a
-  stage after the first receives its first block's input into a buffer of its own per
+  input of the stage (``fwd_cache`` keeps them until the backward); a stage after the first
+  receives its first block's input into a buffer of its own per
   microbatch, and every stage before the last a buffer per microbatch for the output's
   gradient (``_create_act_recv_info``, ``_create_grad_recv_info``: allocated once per
   microbatch, kept across steps). The last stage holds per microbatch what the head saves
   (``activations.head``) and computes the loss in its forward. While a pass runs, one block's
   transient is added as ``memory.py`` counts it (forward: its input and MLP workspace;
   backward: the recomputed block, its MLP workspace and the gradient flowing between blocks).
+* **Outputs kept to the step's end** (``outputs``): the torch of the published runs
+  (December 2024) appended every microbatch's output to the stage's ``output_chunks`` on every
+  stage (pytorch/pytorch#153383 kept them on the last stage only, from May 2025): a block
+  input's size on a stage before the last, the logits (compute dtype) on the last, whose model
+  returns them unconverted at torchtitan's 9dec370. After the last backward the schedule
+  concatenates the last stage's (``_merge_outputs``): the ``merge outputs`` moment.
 * **Reserved** (``reserved.py``'s model for FSDP2): the default stream's high-water mark
   without the gradient shards, plus the reduce-scatter pool (every fp32 gradient shard of the
   rank), the all-gather pool (two blocks' flat buffers, or the largest root group), the loss's
@@ -51,7 +57,9 @@ and the end of every pass, what the rank holds then. Each assumption, with its s
   take the maximum across all GPUs"), which ``published.estimate_run`` takes.
 
 Not modelled: compile's and float8's own buffers (as for the other rows), the embedding's
-full-sequence partial output before its reduce-scatter, the pipeline's send buffers in flight.
+full-sequence partial output before its reduce-scatter, the pipeline's send buffers in flight,
+and where the caching allocator places each tensor (a whole stage's unsharded gradient is freed
+and allocated again every step: the likely reason 1F1B's row stays low, see docs/estimate.md).
 """
 
 from __future__ import annotations
@@ -158,6 +166,7 @@ class _Sizes:
     head: int  # what the head saves per microbatch (final norm, lm_head input, log-softmax)
     logits: int  # the loss's logits (+ fp32 copy), and its gradients in the loss backward
     logits_grads: int
+    out: int  # the last stage's output (its logits, compute dtype) for one microbatch
     block: int  # parameters of one block on this TP rank
     block_gathered: int  # bytes of one gathered block (float8 linears: 1 byte)
     embed: int  # embedding rows on this TP rank (the head has as many)
@@ -176,6 +185,7 @@ def _sizes(spec: ModelSpec, layout: Layout, mb_work: Workload) -> _Sizes:
         head=act.head,
         logits=act.logits,
         logits_grads=act.logits_grads,
+        out=mb_work.tokens * local.vocab * p.act,
         block=local.block_params,
         block_gathered=gathered,
         embed=local.vocab * spec.hidden,
@@ -198,9 +208,14 @@ class _Stage:
         return self.blocks * z.block_gathered + root * param_bytes
 
     def held(self, z: _Sizes) -> int:
-        """Bytes one microbatch in flight keeps (see the Note)."""
+        """Bytes one microbatch in flight keeps until its backward, its output aside (see
+        the Note)."""
         inputs = self.blocks if self.first else self.blocks - 1  # else: the receive buffer
-        return inputs * z.x + (z.head if self.last else z.x)  # + the output, or the head's
+        return inputs * z.x + (z.head if self.last else 0)
+
+    def output(self, z: _Sizes) -> int:
+        """One microbatch's output, kept from its forward to the step's end (see the Note)."""
+        return z.out if self.last else z.x
 
     def buffers(self, z: _Sizes, m: int) -> int:
         """Receive buffers, one per microbatch: the input (not the first stage), the output's
@@ -236,6 +251,7 @@ class _State:
     backwards done, stages reduced."""
 
     held: dict[int, int]
+    forwarded: dict[int, int] = dataclasses.field(default_factory=dict)
     gathered: set[int] = dataclasses.field(default_factory=set)
     backwards: dict[int, int] = dataclasses.field(default_factory=dict)
     reduced: set[int] = dataclasses.field(default_factory=set)
@@ -264,6 +280,7 @@ def _replay(spec: ModelSpec, layout: Layout, z: _Sizes, stages: list[_Stage], or
             "unit_grads": sum(acc[t] for t in by
                               if state.backwards.get(t) and t not in state.reduced),
             "gradients": sum(shard[t] for t in state.reduced) * p.grad,
+            "outputs": sum(n * by[t].output(z) for t, n in state.forwarded.items()),
         }  # fmt: skip
         acts = sum(n * by[t].held(z) for t, n in state.held.items())
         where = f"(stage {s}, microbatch {mb})"
@@ -272,6 +289,7 @@ def _replay(spec: ModelSpec, layout: Layout, z: _Sizes, stages: list[_Stage], or
             work = z.fwd + (z.logits if st.last else 0)
             yield Phase(name, {**base, "activations": acts + st.held(z), "workspace": work})
             state.held[s] += 1
+            state.forwarded[s] = state.forwarded.get(s, 0) + 1
             continue
         first = not state.backwards.get(s)
         start = f"loss backward {where}" if st.last else f"backward start {where}"
@@ -288,6 +306,10 @@ def _replay(spec: ModelSpec, layout: Layout, z: _Sizes, stages: list[_Stage], or
         if state.backwards[s] == m:  # the reduction: reduce-scatter, then reshard
             state.reduced.add(s)
             state.gathered.discard(s)
+    if any(st.last for st in stages):  # the schedule returns the outputs, concatenated
+        yield Phase("merge outputs", {**static, "outputs": sum(
+            n * by[t].output(z) for t, n in state.forwarded.items()),
+            "merged": m * z.out, "gradients": sum(shard.values()) * p.grad})  # fmt: skip
 
 
 def _reserved(spec: ModelSpec, layout: Layout, mb_work: Workload, z: _Sizes,
