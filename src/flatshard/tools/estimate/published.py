@@ -115,8 +115,8 @@ SAC, FULL = {"selective_ac": True}, {"act_ckpt": True}
 C, C8 = {"compile": True}, {"compile": True, "float8": True}
 PP_405B = 8  # torchtitan's default: microbatches = pp degree
 PIPE_GAP = ("the stage model (stage_memory.py) reaches the interleaved row but is 13.5 GiB "
-            "low on 1F1B's highest rank, the last, where a whole stage's unsharded fp32 "
-            "gradient is reallocated each step (docs/estimate.md)")  # fmt: skip
+            "low on 1F1B's highest rank, the last; the caching allocator's fragmentation, "
+            "probed, adds alike to both schedules (docs/estimate.md)")  # fmt: skip
 
 
 def _cp_row(cp: int, seq: int, tps: float, memory: float, note: str = "") -> PublishedRun:
