@@ -34,7 +34,7 @@ CASES = {  # name -> spec (engine and optimizer added per run)
     "sp_tied_lazy_root": {"sp": True, "tied": True, "lazy_min_bytes": 0},
     # ffn 11 over tp 2: local blocks of 6 and 5 rows, each split unevenly over dp too
     "sp_uneven_tp": {"sp": True, "ffn": 11},
-    # built on the meta device: each rank materialises its TP-local blocks only
+    # built on the meta device: each parameter drawn whole, this rank's TP block kept
     "sp_meta_init": {"sp": True, "meta": True},
 }
 FSDP2_CONTROL = ("tp", "sp", "sp_loss_parallel")  # FSDP2 runs these (the rest are ours)

@@ -44,6 +44,8 @@ RUN = [
 ]  # fmt: skip
 CKPT = ["--checkpoint.every", "2", "--checkpoint.enabled", "true"]
 NO_CKPT = ["--checkpoint.enabled", "false"]
+PP_TP = ["--parallelism.tp", "2", "--parallelism.schedule", "Interleaved1F1B",
+         "--parallelism.stages_per_rank", "2"]  # fmt: skip
 PP = ["--nproc", "4", "--parallelism.pp", "2"]
 DP = ["--nproc", "2"]
 
@@ -133,7 +135,7 @@ def tied_runs(tmp_path_factory) -> dict:
     matrix once). T runs ZBVZeroBubble (pp 2, 2 stages per rank: both ends of the tie on pp
     rank 0), V 1F1B (the ends on two pp ranks); U and W are their dp 2 runs. X is pp 2 x tp 2
     from the weights under Interleaved1F1B (2 stages per rank, the tied copies split over tp),
-    Y its world-1 run."""
+    Y its world-1 run; XC and YC the same two from the config."""
     root = tmp_path_factory.mktemp("train_pp_hf_tied")
     inputs = write_inputs(root)
     config = [*inputs, *RUN, "--model.hf", str(_llama_dir(root, tied=True))]
@@ -144,10 +146,10 @@ def tied_runs(tmp_path_factory) -> dict:
         "u": _train(*config, *DP, *NO_CKPT, "--out", str(root / "u")),
         "v": _train(*weights, *PP, *NO_CKPT, "--out", str(root / "v")),
         "w": _train(*weights, *DP, *NO_CKPT, "--out", str(root / "w")),
-        "x": _train(*weights, *PP, "--parallelism.tp", "2", "--parallelism.schedule",
-                    "Interleaved1F1B", "--parallelism.stages_per_rank", "2", *NO_CKPT,
-                    "--out", str(root / "x")),
+        "x": _train(*weights, *PP, *PP_TP, *NO_CKPT, "--out", str(root / "x")),
         "y": _train(*weights, "--nproc", "1", *NO_CKPT, "--out", str(root / "y")),
+        "xc": _train(*config, *PP, *PP_TP, *NO_CKPT, "--out", str(root / "xc")),
+        "yc": _train(*config, "--nproc", "1", *NO_CKPT, "--out", str(root / "yc")),
     }  # fmt: skip
     runs = {name: (proc.stdout, metrics(root / name)) for name, proc in done.items()}
     return runs | {"root": root}
@@ -185,6 +187,14 @@ def test_pp_tp_tied_llama_equals_the_world_1_run(tied_runs):
     got, want = _exported(tied_runs["root"] / "x"), _exported(tied_runs["root"] / "y")
     for name, tensor in want.items():
         torch.testing.assert_close(got[name], tensor, rtol=0, atol=2e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_pp_tp_tied_llama_from_a_config_equals_the_world_1_run(tied_runs):
+    """From a config too: each TP parameter is drawn whole and cut to its block
+    (core/meta_init.py), so the stages start from the unsplit model's numbers at tp 2."""
+    assert_same_curve(tied_runs["xc"][1], tied_runs["yc"][1])
+    assert tied_runs["xc"][1][0]["loss"] < tied_runs["x"][1][0]["loss"] - 0.5  # an init
 
 
 def _exported(out: Path) -> dict:

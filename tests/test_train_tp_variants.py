@@ -38,9 +38,9 @@ def _train(out: Path, *args: str) -> list[float]:
 
 
 def _qwen2_weights(root: Path) -> Path:
-    """A tiny Qwen2 saved with its weights: both runs start from them (a meta-device init
-    draws other numbers for TP-local blocks than for whole tensors), and the tp 2 run reads
-    each rank's TP blocks from the safetensors file."""
+    """A tiny Qwen2 saved with its weights: both runs start from them, and the tp 2 run reads
+    each rank's TP blocks from the safetensors file (a config-only start is covered by
+    tests/test_meta_init_tp.py and tests/test_train_pp_hf.py)."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 

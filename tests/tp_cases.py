@@ -263,7 +263,7 @@ MAX_NORM = 0.5  # below the first steps' norms: clipping is exercised, not only 
 
 def _meta_copy(ref: Model) -> Model:
     """``ref``'s architecture on the meta device (no storage): ``fs.shard`` materialises
-    each rank's TP-local blocks and initialises them (DTensor random ops)."""
+    each parameter whole, initialises it and keeps this rank's TP-local block."""
     with torch.device("meta"):
         model = Model(
             tied=ref.head.weight is ref.embed.weight, ffn=ref.blocks[0].mlp.up.out_features

@@ -10,6 +10,14 @@ or of its descendants when it has none). While it runs, parameters of *other* un
 registered inside the unit module are swapped for meta placeholders, so an init that walks the
 whole subtree cannot touch shards that were already built. New storage is filled with NaN first:
 a parameter the init left untouched is reported instead of training on garbage.
+
+A tensor-parallel (DTensor) parameter is drawn whole, as a plain tensor of its global shape,
+and then cut to this rank's TP-local block. Drawn as a DTensor, each rank would draw its block
+from the same generator state: on a CPU mesh torch keeps no per-shard random offsets
+(``is_rng_supported_mesh`` is False), so every tp rank got the *same* numbers, a symmetric
+start that training never breaks, and the numbers differed from the unsplit model's at every
+tp degree. Drawn whole, they are the unsplit model's on every device and at every tp degree
+(and the generator advances as in the unsplit run, which the pipeline's init replay assumes).
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from flatshard.parallel.tensor import is_dtensor, local_of
+from flatshard.parallel.tensor import TPSpec, as_dtensor, local_of, spec_of
 
 InitFn = Callable[[nn.Module], None]
 
@@ -95,17 +103,17 @@ def materialize_unit(
     device: torch.device,
     init_fn: InitFn | None,
 ) -> list[nn.Parameter]:
-    """Give the unit's meta parameters real, initialised storage; returns them (same order)."""
-    real = []
+    """Give the unit's meta parameters real, initialised storage; returns them (same order).
+    A tensor-parallel one is drawn whole, then cut to its TP-local block (see the module's
+    docstring)."""
+    real, tp_specs = [], {}
     for p in owned:
         if p.device.type != "meta":
             real.append(p)
             continue
-        q = nn.Parameter(_nan_like(p, device))
-        q.requires_grad_(p.requires_grad)
-        slots[id(q)] = slots[id(p)]
-        for module, name in slots[id(q)]:
-            module._parameters[name] = q
+        q = _install(nn.Parameter(_nan_full(p, device), p.requires_grad), slots, slots[id(p)])
+        if (spec := spec_of(p)) is not None:
+            tp_specs[id(q)] = spec
         real.append(q)
     _materialize_buffers(unit_module, other_units, device)
     with _foreign_params_on_meta(unit_module, {id(q) for q in real}):
@@ -114,20 +122,30 @@ def materialize_unit(
         else:
             default_init(unit_module, other_units)
     _check_initialised(real, slots, unit_module)
-    return real
+    return [_tp_local(q, tp_specs[id(q)], slots) if id(q) in tp_specs else q for q in real]
 
 
-def _nan_like(p: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Real storage for the meta parameter ``p``, NaN-filled: a tensor-parallel (DTensor) one
-    gets its TP-local block only, as a DTensor again (its init then runs as DTensor ops)."""
-    if not is_dtensor(p):
-        return torch.full(p.shape, float("nan"), dtype=p.dtype, device=device)
-    from torch.distributed.tensor import DTensor
+def _install(q: nn.Parameter, slots: dict, places: list[tuple[nn.Module, str]]) -> nn.Parameter:
+    """``q`` in every module slot of the parameter it replaces."""
+    slots[id(q)] = places
+    for module, name in places:
+        module._parameters[name] = q
+    return q
 
-    local = torch.full(p.to_local().shape, float("nan"), dtype=p.dtype, device=device)
-    return DTensor.from_local(
-        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-    )
+
+def _nan_full(p: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Real storage for the meta parameter ``p``, NaN-filled, of its full (global) shape."""
+    return torch.full(p.shape, float("nan"), dtype=p.dtype, device=device)
+
+
+def _tp_local(full: nn.Parameter, spec: TPSpec, slots: dict) -> nn.Parameter:
+    """The initialised whole tensor cut to this rank's TP-local block, as its DTensor again."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, origin = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements)
+    block = full.detach()[tuple(slice(o, o + n) for o, n in zip(origin, shape, strict=True))]
+    local = nn.Parameter(as_dtensor(block.clone(), spec), full.requires_grad)
+    return _install(local, slots, slots.pop(id(full)))
 
 
 def _materialize_buffers(unit_module: nn.Module, other_units: set[int], device) -> None:

@@ -60,9 +60,9 @@ read ([Note: RoPE and positions under SP] in models/tensor_parallel.py). Between
 travels as each tp rank's local sequence shard, ``[B, T / tp, C]`` (what torch's
 ``PipelineStage`` sends): a stage wraps what it receives back into the ``Shard(1)`` stream and
 returns the local shard of its output; the last stage's head gathers the logits, so the loss
-sees whole rows on every tp rank. From a config each TP block draws its own numbers from the
-replayed generator states (a tp run without pp draws other ones: a TP block is smaller than
-its tensor), so only runs from weights repeat the unsplit curve exactly.
+sees whole rows on every tp rank. From a config each TP parameter is drawn whole from the
+replayed generator state and cut to its block (``core/meta_init.py``), so runs from a config
+repeat the unsplit curve exactly, as runs from weights do.
 
 Refused: other architectures, and a tp that does not divide the heads, the kv heads, the MLP
 width or the vocabulary.
