@@ -105,5 +105,8 @@ def test_last_stage_keeps_its_logits_to_the_step_end():
     merge = _phase(mem, "merge outputs")
     assert merge["outputs"] == merge["merged"] == 2 * logits
     assert merge["gradients"] == -(-(4 * BLOCK + EMBED + 64) // 2) * 4  # the fp32 shards
+    # the concatenation is larger than every block before it: a segment of its own
+    assert mem.reserved_parts["merged_outputs"] == 2 * logits
     first = stage_memory(_spec(8), LAY, WORK, "1F1B", pp=2, microbatches=2, rank=0)
     assert all(p.name != "merge outputs" for p in first.phases)  # only the last stage merges
+    assert first.reserved_parts["merged_outputs"] == 0

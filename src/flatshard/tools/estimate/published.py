@@ -114,9 +114,6 @@ def _lay(world: int, **kw: object) -> Layout:
 SAC, FULL = {"selective_ac": True}, {"act_ckpt": True}
 C, C8 = {"compile": True}, {"compile": True, "float8": True}
 PP_405B = 8  # torchtitan's default: microbatches = pp degree
-PIPE_GAP = ("the stage model (stage_memory.py) reaches the interleaved row but is 13.5 GiB "
-            "low on 1F1B's highest rank, the last; the caching allocator's fragmentation, "
-            "probed, adds alike to both schedules (docs/estimate.md)")  # fmt: skip
 
 
 def _cp_row(cp: int, seq: int, tps: float, memory: float, note: str = "") -> PublishedRun:
@@ -165,7 +162,7 @@ PUBLISHED: tuple[PublishedRun, ...] = (
     PublishedRun("405B, 512 H100, FSDP 8 x TP 8 x PP 8 (1F1B), full AC, compile, float8, "
                  "async TP", f"{H100_2412} Table 5, 1F1B", LLAMA_405B,
                  _lay(8, tp=8, async_tp=True), _tt(32, **FULL, **C8), "h100-gt", 100, 82.5,
-                 schedule="1F1B", memory_note=PIPE_GAP, pp=PP_405B, microbatches=PP_405B),
+                 schedule="1F1B", pp=PP_405B, microbatches=PP_405B),
     PublishedRun("405B, 512 H100, FSDP 8 x TP 8 x PP 8 (interleaved 1F1B, 2 stages per "
                  "rank), full AC, compile, float8, async TP",
                  f"{H100_2412} Table 5, Interleaved 1F1B", LLAMA_405B,

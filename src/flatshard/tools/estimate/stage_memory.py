@@ -47,11 +47,17 @@ and the end of every pass, what the rank holds then. Each assumption, with its s
   stage (pytorch/pytorch#153383 kept them on the last stage only, from May 2025): a block
   input's size on a stage before the last, the logits (compute dtype) on the last, whose model
   returns them unconverted at torchtitan's 9dec370. After the last backward the schedule
-  concatenates the last stage's (``_merge_outputs``): the ``merge outputs`` moment.
+  concatenates the last stage's (``_merge_outputs``: ``torch.cat`` of the local blocks,
+  though torchtitan drops the result): the ``merge outputs`` moment.
 * **Reserved** (``reserved.py``'s model for FSDP2): the default stream's high-water mark
   without the gradient shards, plus the reduce-scatter pool (every fp32 gradient shard of the
   rank), the all-gather pool (two blocks' flat buffers, or the largest root group), the loss's
-  extras on the last stage, vanilla TP's record-stream buffers.
+  extras on the last stage, vanilla TP's record-stream buffers; and on the rank of the last
+  stage the merged outputs (``merged_outputs``): the concatenation is one block of all the
+  microbatches' logits, larger than any block the step allocated before it, and the caching
+  allocator never joins blocks across segments, so it maps a segment of its own on top of the
+  segments the step left reserved (none are released without ``empty_cache``, which
+  torchtitan does not call). From the first step on, that segment stays cached.
 * **Which rank**: each pp rank is replayed (``rank``); the published figure is the highest
   (the benchmark's footnote: "Different PP ranks can have different peak memory usages. We
   take the maximum across all GPUs"), which ``published.estimate_run`` takes.
@@ -325,9 +331,12 @@ def _reserved(spec: ModelSpec, layout: Layout, mb_work: Workload, z: _Sizes,
     gathers = max(FSDP2_GATHERS_IN_FLIGHT * z.block_gathered, *roots)
     vanilla_tp = layout.tp > 1 and not layout.async_tp
     act = mb_work.tokens * c * p.act
+    # One block larger than any the step made: a segment of its own (see the Note)
+    merged = next((ph.parts["merged"] for ph in phases if ph.name == "merge outputs"), 0)
     return {"default_stream": default, "reduce_scatter_pool": shards,
             "all_gather_pool": gathers,
-            "tp_record_stream": TP_RECORD_STREAM_BUFFERS * act if vanilla_tp else 0}  # fmt: skip
+            "tp_record_stream": TP_RECORD_STREAM_BUFFERS * act if vanilla_tp else 0,
+            "merged_outputs": merged}  # fmt: skip
 
 
 def stage_memory(
