@@ -73,12 +73,14 @@ def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def case_tp_meta_init_equals_plain(tp: int) -> dict:
     """{model: [names whose whole tensor differs between tp and no tp, and whether the TP
-    blocks of the first sharded weight are copies of each other]} on this rank."""
+    blocks of the first tp-sharded weight (cut along its shard dim) are copies of each other]}
+    on this rank."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     import flatshard as fs
     from flatshard.models.tensor_parallel import parallelize_hf
+    from flatshard.parallel.tensor import tp_parameters
 
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
@@ -92,10 +94,11 @@ def case_tp_meta_init_equals_plain(tp: int) -> dict:
         torch.manual_seed(0)
         parallel = build()
         make_tp(parallel)
+        split, dim = next((n, pl.dim) for n, spec in tp_parameters(parallel).items()
+                          for pl in spec.placements if pl.is_shard())  # fmt: skip
         fs.shard(parallel, mesh=mesh)  # dp x tp: flatshard shards over dp
         want, got = _full_params(plain), _full_params(parallel)
-        first = next(k for k, v in got.items() if v.dim() == 2)
-        halves = got[first].chunk(tp, dim=0)
+        halves = got[split].chunk(tp, dim=dim)
         out[name] = {
             "differ": [k for k in want if not torch.equal(want[k], got[k])],
             "blocks_equal": all(torch.equal(halves[0], h) for h in halves[1:]),

@@ -106,14 +106,14 @@ def materialize_unit(
     """Give the unit's meta parameters real, initialised storage; returns them (same order).
     A tensor-parallel one is drawn whole, then cut to its TP-local block (see the module's
     docstring)."""
-    real, tp_specs = [], {}
+    real, tp_blocks = [], {}
     for p in owned:
         if p.device.type != "meta":
             real.append(p)
             continue
         q = _install(nn.Parameter(_nan_full(p, device), p.requires_grad), slots, slots[id(p)])
         if (spec := spec_of(p)) is not None:
-            tp_specs[id(q)] = spec
+            tp_blocks[id(q)] = (spec, p.to_local().shape)
         real.append(q)
     _materialize_buffers(unit_module, other_units, device)
     with _foreign_params_on_meta(unit_module, {id(q) for q in real}):
@@ -122,7 +122,7 @@ def materialize_unit(
         else:
             default_init(unit_module, other_units)
     _check_initialised(real, slots, unit_module)
-    return [_tp_local(q, tp_specs[id(q)], slots) if id(q) in tp_specs else q for q in real]
+    return [_tp_local(q, *tp_blocks[id(q)], slots) if id(q) in tp_blocks else q for q in real]
 
 
 def _install(q: nn.Parameter, slots: dict, places: list[tuple[nn.Module, str]]) -> nn.Parameter:
@@ -138,12 +138,11 @@ def _nan_full(p: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.full(p.shape, float("nan"), dtype=p.dtype, device=device)
 
 
-def _tp_local(full: nn.Parameter, spec: TPSpec, slots: dict) -> nn.Parameter:
-    """The initialised whole tensor cut to this rank's TP-local block, as its DTensor again."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, origin = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements)
-    block = full.detach()[tuple(slice(o, o + n) for o, n in zip(origin, shape, strict=True))]
+def _tp_local(full: nn.Parameter, spec: TPSpec, shape: torch.Size, slots: dict) -> nn.Parameter:
+    """The initialised whole tensor cut to this rank's TP-local block (``shape`` at
+    ``spec.origin``), as its DTensor again."""
+    cut = tuple(slice(o, o + n) for o, n in zip(spec.origin, shape, strict=True))
+    block = full.detach()[cut]
     local = nn.Parameter(as_dtensor(block.clone(), spec), full.requires_grad)
     return _install(local, slots, slots.pop(id(full)))
 

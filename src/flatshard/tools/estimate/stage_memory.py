@@ -64,8 +64,9 @@ and the end of every pass, what the rank holds then. Each assumption, with its s
 
 Not modelled: compile's and float8's own buffers (as for the other rows), the embedding's
 full-sequence partial output before its reduce-scatter, the pipeline's send buffers in flight,
-and where the caching allocator places each tensor (probed on a coarse trace: 10-12 GiB above
-the live peak under both schedules, so not what keeps the 1F1B row low; see docs/estimate.md).
+and where the caching allocator places each tensor beyond the merged outputs' segment (probed
+on a coarse trace: 10-12 GiB above the live peak under both schedules, moving with the assumed
+transients; see docs/estimate.md).
 """
 
 from __future__ import annotations
@@ -286,7 +287,7 @@ def _replay(spec: ModelSpec, layout: Layout, z: _Sizes, stages: list[_Stage], or
             "unit_grads": sum(acc[t] for t in by
                               if state.backwards.get(t) and t not in state.reduced),
             "gradients": sum(shard[t] for t in state.reduced) * p.grad,
-            "outputs": sum(n * by[t].output(z) for t, n in state.forwarded.items()),
+            "outputs": _kept_outputs(state, by, z),
         }  # fmt: skip
         acts = sum(n * by[t].held(z) for t, n in state.held.items())
         where = f"(stage {s}, microbatch {mb})"
@@ -313,14 +314,21 @@ def _replay(spec: ModelSpec, layout: Layout, z: _Sizes, stages: list[_Stage], or
             state.reduced.add(s)
             state.gathered.discard(s)
     if any(st.last for st in stages):  # the schedule returns the outputs, concatenated
-        yield Phase("merge outputs", {**static, "outputs": sum(
-            n * by[t].output(z) for t, n in state.forwarded.items()),
-            "merged": m * z.out, "gradients": sum(shard.values()) * p.grad})  # fmt: skip
+        yield Phase("merge outputs", {**static, "outputs": _kept_outputs(state, by, z),
+                                      "merged": m * z.out,
+                                      "gradients": sum(shard.values()) * p.grad})  # fmt: skip
+
+
+def _kept_outputs(state: _State, by: dict[int, _Stage], z: _Sizes) -> int:
+    """Every output forwarded so far this step (``output_chunks``, see the Note)."""
+    return sum(n * by[t].output(z) for t, n in state.forwarded.items())
 
 
 def _reserved(spec: ModelSpec, layout: Layout, mb_work: Workload, z: _Sizes,
-              stages: list[_Stage], phases: tuple[Phase, ...]) -> dict[str, int]:  # fmt: skip
-    """``reserved.py``'s parts for FSDP2 (see its [Note: reserved memory])."""
+              stages: list[_Stage], phases: tuple[Phase, ...],
+              merged: int) -> dict[str, int]:  # fmt: skip
+    """``reserved.py``'s parts for FSDP2 (see its [Note: reserved memory]), and ``merged``,
+    the last stage's concatenated outputs in a segment of their own (see the Note)."""
     p, c = layout.precision, spec.hidden
     extra = sum(loss_extras(spec, layout, mb_work).values())
     default = max(ph.total - ph.parts.get("gradients", 0)
@@ -331,8 +339,6 @@ def _reserved(spec: ModelSpec, layout: Layout, mb_work: Workload, z: _Sizes,
     gathers = max(FSDP2_GATHERS_IN_FLIGHT * z.block_gathered, *roots)
     vanilla_tp = layout.tp > 1 and not layout.async_tp
     act = mb_work.tokens * c * p.act
-    # One block larger than any the step made: a segment of its own (see the Note)
-    merged = next((ph.parts["merged"] for ph in phases if ph.name == "merge outputs"), 0)
     return {"default_stream": default, "reduce_scatter_pool": shards,
             "all_gather_pool": gathers,
             "tp_record_stream": TP_RECORD_STREAM_BUFFERS * act if vanilla_tp else 0,
@@ -369,7 +375,8 @@ def stage_memory(
     order = rank_order(schedule, pp, microbatches, stages_per_rank, rank)
     phases = tuple(_replay(spec, layout, z, stages, order, microbatches))
     peak = max(phases, key=lambda ph: ph.total)
-    parts = _reserved(spec, layout, mb_work, z, stages, phases)
+    merged = microbatches * z.out if any(st.last for st in stages) else 0  # see the Note
+    parts = _reserved(spec, layout, mb_work, z, stages, phases, merged)
     return StageMemory(rank, tuple(st.index for st in stages),
                        tuple(counts[st.index] for st in stages), peak.total, peak.name,
                        sum(parts.values()), parts, phases)  # fmt: skip
