@@ -106,7 +106,7 @@ def test_cp_is_a_parallelism_flag():
     assert cfg.parallel.cp == 2 and parse_config([])[0].parallel.cp == 1
     with pytest.raises(ValueError, match=r"parallel.cp=0 must be >= 1"):
         ParallelConfig(cp=0)
-    assert parse_config([])[0].parallel.cp_attention == "ring"
+    assert parse_config([])[0].parallel.cp_attention == "auto"
     cfg, _ = parse_config(["--parallelism.cp_attention", "allgather"])
     assert cfg.parallel.cp_attention == "allgather"
     with pytest.raises(ValueError, match=r"parallel.cp_attention='flash'"):

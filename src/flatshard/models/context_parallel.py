@@ -27,8 +27,13 @@ Two ways to attend across the group (``ContextParallel(group, attention=...)``):
   one SDPA call of the ``[t, T]`` mask: fewer, larger messages, and memory that grows with
   ``T``.
 
-Both apply the same mask: key ``j`` visible to query ``i`` when its row position is not later
-and it belongs to the same document.
+* ``"torch"`` (:mod:`flatshard.models.torch_cp_attention`): torch's own context parallelism,
+  FlexAttention under its ``_ContextParallel`` style with a block mask sharded by its head-tail
+  balancer (torchtitan's recipe). Trains on accelerators only (torch 2.13's FlexAttention has
+  no CPU backward); on the CPU it runs forward.
+
+All three apply the same mask: key ``j`` visible to query ``i`` when its row position is not
+later and it belongs to the same document.
 """
 
 from __future__ import annotations
@@ -40,8 +45,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from flatshard.models.ring_attention import RingLayout, ring_attention, ring_peers
+from flatshard.models.torch_cp_attention import TorchContextAttention
 
 # torch 2.13 renames all_gather_into_tensor (deprecated there); older torch has only that name
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -55,7 +62,7 @@ __all__ = [
     "split_rows",
 ]
 
-ATTENTIONS = ("ring", "allgather")  # how keys cross the cp group (see the note)
+ATTENTIONS = ("ring", "allgather", "torch")  # how keys cross the cp group (see the note)
 
 
 def head_tail_indices(seq_len: int, cp: int, rank: int, device: torch.device | None = None):
@@ -108,21 +115,32 @@ class ContextParallel:
     their ordinary full-sequence attention (e.g. for generation, every rank the whole context).
     """
 
-    def __init__(self, group: dist.ProcessGroup, attention: str = "ring") -> None:
+    def __init__(self, group: dist.ProcessGroup | DeviceMesh, attention: str = "ring") -> None:
         if attention not in ATTENTIONS:
             raise ValueError(
                 f"attention={attention!r} is not a context-parallel attention; pass one of "
                 f"{', '.join(map(repr, ATTENTIONS))}"
             )
-        self.group, self.attention = group, attention
-        self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.peers = ring_peers(group) if attention == "ring" else (0, 0)
+        mesh = group if isinstance(group, DeviceMesh) else None
+        if attention == "torch" and mesh is None:
+            raise TypeError(
+                "attention='torch' (torch's context parallelism) needs the cp DeviceMesh, not a "
+                "process group: pass mesh['cp']"
+            )
+        self.group = mesh.get_group() if mesh is not None else group
+        self.attention = attention
+        self.cp, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        self.peers = ring_peers(self.group) if attention == "ring" else (0, 0)
+        self.torch = (
+            TorchContextAttention(mesh) if mesh is not None and attention == "torch" else None
+        )
         self.mask: torch.Tensor | None = None  # [B, 1, t, T] while attending ("allgather")
         self.layout: RingLayout | None = None  # while attending ("ring")
+        self.torch_active = False  # while attending ("torch": the block mask is built)
 
     @property
     def active(self) -> bool:
-        return self.mask is not None or self.layout is not None
+        return self.mask is not None or self.layout is not None or self.torch_active
 
     @contextmanager
     def attending(self, document_ids: torch.Tensor) -> Iterator[None]:
@@ -138,6 +156,11 @@ class ContextParallel:
             self.layout = RingLayout(
                 self.group, self.rank, self.cp, positions, documents, self.peers
             )
+        elif self.torch is not None:
+            row_documents = torch.empty_like(k_doc)
+            row_documents[:, torch.cat(positions)] = k_doc  # rank order -> row order
+            self.torch.prepare(row_documents)
+            self.torch_active = True
         else:
             q_pos, k_pos = positions[self.rank], torch.cat(positions)  # [t], [T]
             causal = k_pos[None, :] <= q_pos[:, None]  # [t, T]
@@ -147,12 +170,19 @@ class ContextParallel:
             yield
         finally:
             self.mask = self.layout = None
+            self.torch_active = False
+            if self.torch is not None:
+                self.torch.release()
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q [B, t, H, D]``, ``k``/``v [B, t, KV, D]`` (this rank's tokens, RoPE applied) ->
         ``[B, t, H, D]``: this rank's queries over the whole row's keys."""
         if self.layout is not None:
             y = ring_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.layout)
+            return y.transpose(1, 2)  # [B, t, H, D]
+        if self.torch_active:
+            assert self.torch is not None
+            y = self.torch.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
             return y.transpose(1, 2)  # [B, t, H, D]
         k_all = _GatherKeys.apply(k, self.group)  # [B, T, KV, D]
         v_all = _GatherKeys.apply(v, self.group)  # [B, T, KV, D]
@@ -166,10 +196,13 @@ class ContextParallel:
         return y.transpose(1, 2)  # [B, t, H, D]
 
 
-def attach(model: nn.Module, group: dist.ProcessGroup, attention: str = "ring") -> ContextParallel:
+def attach(
+    model: nn.Module, group: dist.ProcessGroup | DeviceMesh, attention: str = "ring"
+) -> ContextParallel:
     """Make every :class:`~flatshard.models.block.Attention` of ``model`` context-parallel over
-    ``group`` (one shared :class:`ContextParallel`, returned; ``attention``: ``"ring"`` or
-    ``"allgather"``, see the note). Call before ``fs.shard``."""
+    ``group`` (the cp process group, or the 1-D cp ``DeviceMesh``, which ``"torch"`` needs; one
+    shared :class:`ContextParallel`, returned; ``attention``: ``"ring"``, ``"allgather"`` or
+    ``"torch"``, see the note). Call before ``fs.shard``."""
     from flatshard.models.block import Attention
 
     cp = ContextParallel(group, attention)

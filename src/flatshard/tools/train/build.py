@@ -132,9 +132,10 @@ def build_model(cfg: TrainConfig, env: Env, vocab_needed: int = 258) -> GPT:
     if tp_mesh is not None:
         tensor_parallel.parallelize(model, tp_mesh, cfg)
     if env.cp > 1:  # see [Note: the trainer's (dp, cp) layout]; fs.shard over all ranks
-        from flatshard.tools.train.cp_plan import parallelize
+        from flatshard.tools.train.cp_plan import parallelize, resolve_cp_attention
 
-        parallelize(model, env.device.type, env.world, env.cp, cfg.parallel.cp_attention)
+        attention = resolve_cp_attention(cfg, env.device.type)
+        parallelize(model, env.device.type, env.world, env.cp, attention)
     return fs.shard(
         model,
         policy=fs.wrap.by_type(Block),

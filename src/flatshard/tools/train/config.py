@@ -151,6 +151,9 @@ class DataConfig:
         _float("data.val_fraction", self.val_fraction, 0.0, 0.5)
 
 
+CP_ATTENTIONS = ("auto", "ring", "allgather", "torch")  # parallel.cp_attention (cp_plan.py)
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """How many processes, on what, and how the model is sharded across them."""
@@ -200,10 +203,13 @@ class ParallelConfig:
     and 2N-1-r of 2N); attention spans the group (parallel.cp_attention), masked by global
     positions and documents. fs.shard shards over all ranks (dp x cp). The GPT only, without
     tp, pp or ep; data.seq_len must divide by 2N (docs/parallelism.md)."""
-    cp_attention: str = "ring"
-    """How keys and values cross the cp group: ring (one peer's at a time, passed around the
-    group while the previous block computes: memory that does not grow with the row) or
-    allgather (the whole row's at once: fewer, larger messages)."""
+    cp_attention: str = "auto"
+    """How keys and values cross the cp group: torch (torch's own context parallelism:
+    FlexAttention under its _ContextParallel style, compiled; accelerators only, rows a
+    multiple of cp * 128), ring (flatshard's: one peer's at a time, passed around the group
+    while the previous block computes: memory that does not grow with the row), allgather (the
+    whole row's at once: fewer, larger messages), or auto (torch on CUDA where the row allows
+    it, else ring)."""
 
     def __post_init__(self) -> None:
         _int("parallel.nproc", self.nproc, 0)
@@ -218,7 +224,7 @@ class ParallelConfig:
         _int("parallel.stages_per_rank", self.stages_per_rank, 0)
         _int("parallel.ep", self.ep, 1)
         _int("parallel.cp", self.cp, 1)
-        _choice("parallel.cp_attention", self.cp_attention, ("ring", "allgather"))
+        _choice("parallel.cp_attention", self.cp_attention, CP_ATTENTIONS)
         if not isinstance(self.loss_parallel, bool):
             raise TypeError(f"parallel.loss_parallel={self.loss_parallel!r} must be true or false")
 

@@ -17,10 +17,17 @@ gradient is a sum over tokens, and the cp ranks hold disjoint tokens.
   counted on exactly one rank: the global target count, the loss normalised by it (times the
   world size that the gradient reduction averages over), the token count and the validation
   sums need no correction.
+* **Attention** (``parallel.cp_attention``): ``torch`` is torch's own context parallelism
+  (:mod:`flatshard.models.torch_cp_attention`: FlexAttention under its ``_ContextParallel``
+  style, trains on accelerators only, rows a multiple of ``cp * 128``), ``ring`` and
+  ``allgather`` flatshard's (every device). ``auto`` (the default) is ``torch`` on CUDA where
+  the row allows it, else ``ring`` (:func:`resolve_cp_attention`); all three give the same
+  attention, so the choice changes speed and memory, not the numbers.
 * **Generation** (the final sample) runs with the cp attention inactive: every rank computes
   the whole context, as at cp 1.
 * **Refused:** cp with tp, pp, an MoE GPT or ``--model.hf``; a ``data.seq_len`` that 2N does
-  not divide; a cp that does not divide the world size (:func:`check_cp`).
+  not divide; a cp that does not divide the world size; ``cp_attention=torch`` on a CPU or
+  with a row it cannot split (:func:`check_cp`).
 """
 
 from __future__ import annotations
@@ -31,14 +38,16 @@ import torch
 from torch import nn
 
 from flatshard.models.context_parallel import ContextParallel, attach, split_rows
+from flatshard.models.torch_cp_attention import MASK_BLOCK, check_row_length
 from flatshard.packing import PackedBatch
 from flatshard.tools.train.config import TrainConfig
 
-__all__ = ["check_cp", "cp_logits", "local_batch", "parallelize"]
+__all__ = ["check_cp", "cp_logits", "local_batch", "parallelize", "resolve_cp_attention"]
 
 
-def check_cp(cfg: TrainConfig, world: int) -> None:
-    """Refuse a cp degree this job cannot use, naming the value and the fix (every rank)."""
+def check_cp(cfg: TrainConfig, world: int, device_type: str | None = None) -> None:
+    """Refuse a cp degree this job cannot use, naming the value and the fix (every rank);
+    with ``device_type`` (known on the workers) also a ``cp_attention`` it cannot train with."""
     p, cp = cfg.parallel, cfg.parallel.cp
     if cp == 1:
         return
@@ -68,6 +77,24 @@ def check_cp(cfg: TrainConfig, world: int) -> None:
             f"parallel.cp={cp} is for the dense GPT, not {what}: its attention is the one made "
             "context-parallel; pass --parallelism.cp 1"
         )
+    if p.cp_attention == "torch":
+        check_row_length(cfg.data.seq_len, cp)
+        if device_type == "cpu":
+            raise ValueError(
+                "parallel.cp_attention='torch' cannot train on cpu: torch 2.13's FlexAttention "
+                "has no CPU backward; pass --parallelism.cp_attention ring (or allgather, or "
+                "auto), flatshard's own cp attention on every device"
+            )
+
+
+def resolve_cp_attention(cfg: TrainConfig, device_type: str) -> str:
+    """``parallel.cp_attention`` with ``auto`` resolved: torch's on CUDA when the row is a
+    multiple of ``cp * 128`` (its block mask's unit), else the ring."""
+    chosen = cfg.parallel.cp_attention
+    if chosen != "auto":
+        return chosen
+    fits = cfg.data.seq_len % (cfg.parallel.cp * MASK_BLOCK) == 0
+    return "torch" if device_type == "cuda" and fits else "ring"
 
 
 def parallelize(
@@ -79,7 +106,7 @@ def parallelize(
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device_type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
-    return attach(model, mesh["cp"].get_group(), attention)
+    return attach(model, mesh["cp"], attention)
 
 
 def local_batch(batch: PackedBatch, cp: int, rank: int) -> PackedBatch:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from flatshard.comm.shutdown import end_process_group
 from flatshard.models.context_parallel import context_parallel_of
-from flatshard.tools.train import hf_model, pipeline
+from flatshard.tools.train import cp_plan, hf_model, pipeline
 from flatshard.tools.train.build import Env, build_training, flops_per_token, init_distributed
 from flatshard.tools.train.checkpointing import (
     CheckpointManager,
@@ -76,7 +76,7 @@ def _start_point(cfg: TrainConfig, ckpt: CheckpointManager | None, resume: bool)
 
 def setup(cfg: TrainConfig, env: Env, resume: bool) -> tuple[Run, str | None]:
     """Build the run on this worker; returns it and the checkpoint to resume from."""
-    check_layout(cfg, env.world)
+    check_layout(cfg, env.world, env.device.type)
     corpus = load_corpus(cfg.data, hf_model.tokenizer_for(cfg.model.hf))
     model, optimizer, scheduler, pipe = build_training(cfg, env, corpus.tokenizer.vocab_size)
     # the data-parallel rank: every tp rank of a group reads the same batches
@@ -197,7 +197,8 @@ def _header(run: Run) -> str:
     tokens = env.dp_world * d.micro_batches * d.rows * d.seq_len
     tp = f" (dp {env.dp_world} x tp {env.tp})" if env.tp > 1 else ""
     if env.cp > 1:
-        tp = f" (dp {env.dp_world} x cp {env.cp}, head-tail split rows)"
+        attention = cp_plan.resolve_cp_attention(cfg, env.device.type)
+        tp = f" (dp {env.dp_world} x cp {env.cp}, head-tail split rows, {attention} attention)"
     if env.pp > 1:
         with_tp = f" x tp {env.tp}" if env.tp > 1 else ""
         tp = (f" (pp {env.pp} x dp {env.dp_world}{with_tp}, {cfg.parallel.schedule}, "
