@@ -40,6 +40,7 @@ import torch.distributed as dist
 from gpu_check_bench import MODES, PRECISIONS, bench
 from gpu_check_checks import checks_pass
 from gpu_check_common import LINES, Ctx, run_checks, say, setup, status_of
+from gpu_check_cp import check_torch_cp
 from gpu_check_forced import FORCED_CHECKS, FORCED_WHAT
 from gpu_check_probe import check_env, check_sync_audit, check_wait_probe
 from gpu_check_profile import check_profiler
@@ -66,6 +67,7 @@ SECTIONS = [
     ("ab", lambda c, a: bench(c.device, a), 120),
     ("profiler", _profiler, 40),
     ("checks_plain", lambda c, a: checks_pass(c, forced=False), 35),
+    ("torch_cp", lambda c, a: run_checks([check_torch_cp], c), 60),  # compiles FlexAttention
 ]
 DRY_RUN_NEED = 0.2  # the CPU dry run's tiny sizes need about this share of those seconds
 

@@ -93,7 +93,9 @@ def _profile(ch: dict) -> str:
 
 
 HEADLINES = {"env": _env, "wait_probe": _wait, "forced": _forced, "checks_forced": _checks}
-HEADLINES.update(checks_plain=_checks, sync_audit=_sync, ab=_ab, profiler=_profile)
+HEADLINES.update(
+    checks_plain=_checks, sync_audit=_sync, ab=_ab, profiler=_profile, torch_cp=_forced
+)
 HEADLINES.update(sanitizer=_forced)  # TORCH_CUDA_SANITIZER=1: gpu_check_sanitizer.py
 
 

@@ -17,10 +17,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ["env", "wait_probe", "forced", "checks_forced", "sync_audit", "ab", "profiler"]
-SECTIONS += ["checks_plain", "sanitizer"]  # the last: TORCH_CUDA_SANITIZER=1, its own process
+SECTIONS += [
+    "checks_plain",
+    "torch_cp",
+    "sanitizer",
+]  # the last: TORCH_CUDA_SANITIZER=1, its own process
 # What a CPU run cannot do, each skipped with its reason (all other checks must pass).
 CUDA_ONLY = {("forced", "delay_side_stream"), ("sync_audit", "sync_audit")}
-CUDA_ONLY |= {("profiler", "profiler"), ("sanitizer", "sanitizer_on")}
+CUDA_ONLY |= {("profiler", "profiler"), ("sanitizer", "sanitizer_on"), ("torch_cp", "torch_cp")}
 
 
 @pytest.fixture(scope="module")
