@@ -104,14 +104,22 @@ def test_known_gaps_stay_known(run):
     """Each is off by more than 20 % for the reason its note gives; if a model change closes
     the gap, move the row into PUBLISHED (and the doc's table)."""
     assert run.note
-    assert estimate_run(run).tokens_per_s > 1.2 * run.tokens_per_s
+    ratio = estimate_run(run).tokens_per_s / run.tokens_per_s
+    assert ratio > 1.2 or ratio < 0.8
 
 
 def test_every_row_names_its_source_and_settings():
+    nemo = "https://github.com/NVIDIA/NeMo/blob/8e3d65dcfe3504689bfc5b6e67d502780aacad41/"
     for run in PUBLISHED + KNOWN_GAPS:
+        # torchtitan's FSDP default; NeMo's rows reduce the accumulated sum in fp32
+        assert run.layout.precision == Precision("bf16", "fp32")
+        if run.source.startswith(nemo):  # NeMo 24.07 on DGX-H100: SXM, --gpu h100
+            assert "NeMo 24.07, DGX-H100, FP8" in run.source and run.gpu == "h100"
+            assert run.grad_accum > 1 and run.work.float8 and run.work.compile
+            continue
         assert run.source.startswith("https://github.com/pytorch/torchtitan/blob/main/")
-        assert run.layout.precision == Precision("bf16", "fp32")  # torchtitan's FSDP default
-        assert run.work.act_ckpt or run.work.selective_ac  # every published run checkpoints
+        assert run.work.act_ckpt or run.work.selective_ac  # every torchtitan run checkpoints
+        assert run.grad_accum == 1
     assert len({r.name for r in PUBLISHED + KNOWN_GAPS}) == len(PUBLISHED) + len(KNOWN_GAPS)
 
 

@@ -8,8 +8,15 @@ import json
 import sys
 import warnings
 
-from flatshard.tools.estimate.devices import DEVICES
-from flatshard.tools.estimate.memory import estimate_memory
+from flatshard.tools.estimate.accumulate import (
+    Accumulation,
+    accumulated_grad_bytes,
+    accumulated_peak,
+    accumulation,
+    check_grad_accum,
+)
+from flatshard.tools.estimate.devices import DEVICES, Device
+from flatshard.tools.estimate.memory import MemoryEstimate, estimate_memory
 from flatshard.tools.estimate.pipeline_report import add_options, format_section, section
 from flatshard.tools.estimate.report import GIB, Report, format_table, to_json
 from flatshard.tools.estimate.reserved import RUNTIMES, estimate_reserved
@@ -74,6 +81,9 @@ def _layout_options(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--cp", type=int, default=1,
                    help="context-parallel degree (default 1): the sequence split over cp GPUs "
                    "(head-tail balanced, ring attention); world x cp x tp GPUs in all")  # fmt: skip
+    g.add_argument("--grad-accum", type=int, default=1, metavar="N",
+                   help="micro-batches (each --batch) per optimizer step, accumulated with "
+                   'fs.no_sync(keep="unsharded") (default 1)')  # fmt: skip
     g.add_argument("--strategy", choices=STRATEGIES, default="full_shard")
     g.add_argument("--shard-size", type=int, help="hybrid_shard: ranks per shard group")
     batch_help = "sequences per data-parallel rank, shared by its tp GPUs (default 1)"
@@ -163,12 +173,17 @@ def _inputs(args: argparse.Namespace) -> tuple[ModelSpec, Layout, Workload]:
     return spec, layout, work
 
 
-def min_world(spec: ModelSpec, layout: Layout, work: Workload, capacity: float) -> int | None:
+def min_world(
+    spec: ModelSpec, layout: Layout, work: Workload, capacity: float, accumulate: bool = False
+) -> int | None:
     """Smallest power-of-two data-parallel world (up to 65536; ``layout.tp`` kept) whose peak
-    fits in ``capacity`` bytes."""
+    fits in ``capacity`` bytes (with ``accumulate``, beside the flat gradients that
+    ``--grad-accum`` keeps: ``accumulate.py``)."""
     for k in range(17):
         lay = dataclasses.replace(layout, world=2**k, shard_size=None)
-        if estimate_memory(spec, lay, work).peak <= capacity:
+        mem = estimate_memory(spec, lay, work)
+        held = accumulated_grad_bytes(spec, lay, work) if accumulate else 0
+        if accumulated_peak(mem, held) <= capacity:
             return 2**k
     return None
 
@@ -182,19 +197,42 @@ def estimate(args: argparse.Namespace) -> Report:
             device, memory_gib=args.memory_gib or device.memory_gib, mfu=args.mfu or device.mfu
         )
     memory = estimate_memory(spec, layout, work)
-    time = estimate_time(spec, layout, work, device, intra_gbps=args.bandwidth_gbps,
-                         inter_gbps=args.inter_bandwidth_gbps, overlap=args.overlap)  # fmt: skip
+    links = {"intra_gbps": args.bandwidth_gbps, "inter_gbps": args.inter_bandwidth_gbps,
+             "overlap": args.overlap}  # fmt: skip
+    time = estimate_time(spec, layout, work, device, **links)
+    accum = _accumulation(args, spec, layout, work, device, memory, links)
     cap = device.memory_gib * GIB if device.memory_gib else None
     mins = {}
     if cap is not None:
         for s in ("full_shard", "shard_grad_op", "no_shard"):
-            mins[s] = min_world(spec, dataclasses.replace(layout, strategy=s), work, cap)
-    fits = None if cap is None else memory.peak <= cap
+            lay = dataclasses.replace(layout, strategy=s)
+            mins[s] = min_world(spec, lay, work, cap, accum is not None)
+    fits = None if cap is None else (accum.peak if accum else memory.peak) <= cap
     # No CUDA caching allocator on the CPU: the reserved estimate is for GPUs only.
     reserved = None
     if device.name != "cpu":
         reserved = estimate_reserved(spec, layout, work, memory, args.runtime)
-    return Report(spec, layout, work, device, memory, time, fits, mins, reserved=reserved)
+    return Report(spec, layout, work, device, memory, time, fits, mins, reserved=reserved,
+                  accumulation=accum)  # fmt: skip
+
+
+def _accumulation(
+    args: argparse.Namespace,
+    spec: ModelSpec,
+    layout: Layout,
+    work: Workload,
+    device: Device,
+    memory: MemoryEstimate,
+    links: dict[str, float | None],
+) -> Accumulation | None:
+    """``--grad-accum N``'s figures (``accumulate.py``), or ``None`` for 1."""
+    if check_grad_accum(args.grad_accum) == 1:
+        return None
+    if getattr(args, "pp", 1) > 1:
+        raise ValueError(f"--grad-accum {args.grad_accum} with --pp {args.pp}: under a "
+                         "pipeline the schedule's --microbatches are the accumulation; drop "
+                         "--grad-accum")  # fmt: skip
+    return accumulation(spec, layout, work, device, memory, args.grad_accum, **links)
 
 
 def _measure(args: argparse.Namespace, report: Report) -> dict[str, int]:

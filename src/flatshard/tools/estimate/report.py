@@ -5,6 +5,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from flatshard.tools.estimate.accumulate import (
+    Accumulation,
+    accumulation_json,
+    format_accumulation,
+)
 from flatshard.tools.estimate.devices import Device
 from flatshard.tools.estimate.memory import MemoryEstimate
 from flatshard.tools.estimate.reserved import Reserved
@@ -45,6 +50,8 @@ class Report:
     reserved: Reserved | None = None
     """Estimated ``torch.cuda.max_memory_reserved`` (what torchtitan reports), beside the
     allocated peak (``reserved.py``)."""
+    accumulation: Accumulation | None = None
+    """``--grad-accum N > 1``: the optimizer step of N micro-batches (``accumulate.py``)."""
 
 
 def _fmt(n: float, unit: int) -> str:
@@ -135,7 +142,10 @@ def format_table(r: Report) -> str:
     lines.append("  peak breakdown: " + ", ".join(
         f"{k} {_fmt(v, unit)}" for k, v in m.peak_parts.items() if v))  # fmt: skip
     lines += _reserved_lines(r.reserved, unit)
-    lines += ["", *_time_lines(r), "", *_fit_lines(r)]
+    lines += ["", *_time_lines(r), ""]
+    if r.accumulation:
+        lines += [*format_accumulation(r.accumulation, unit, uname), ""]
+    lines += _fit_lines(r)
     return "\n".join(lines)
 
 
@@ -206,8 +216,9 @@ def _fit_lines(r: Report) -> list[str]:
     if cap is None:
         return ["fit: no device memory given (--memory-gib)"]
     verdict = "fits" if r.fits else "does NOT fit"
-    peak = r.memory.peak / GIB
-    out = [f"fit: allocated peak {peak:,.1f} GiB {verdict} in {cap:g} GiB per rank"]
+    peak = (r.accumulation.peak if r.accumulation else r.memory.peak) / GIB
+    what = "allocated peak" + (" with the accumulated gradients" if r.accumulation else "")
+    out = [f"fit: {what} {peak:,.1f} GiB {verdict} in {cap:g} GiB per rank"]
     mins = ", ".join(f"{k} {v if v else 'never'}" for k, v in r.min_world.items())
     if r.layout.tp > 1:
         out.append(f"  smallest data-parallel world that fits (tp {r.layout.tp}, same batch "
@@ -236,6 +247,7 @@ def to_json(r: Report) -> dict:
         "fits": r.fits,
         "min_world": r.min_world,
         "measured_bytes": r.measured,
+        "grad_accum": accumulation_json(r.accumulation) if r.accumulation else None,
     }
 
 

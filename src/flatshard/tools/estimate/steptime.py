@@ -74,8 +74,9 @@ class StepTime:
     peak and the step."""
 
 
-def _volumes(units: Units, layout: Layout) -> tuple[float, float, float]:
-    """(all-gather, reduce-scatter, all-reduce) bus bytes per rank per step."""
+def _volumes(units: Units, layout: Layout, reduce: bool) -> tuple[float, float, float]:
+    """(all-gather, reduce-scatter, all-reduce) bus bytes per rank per step; without
+    ``reduce`` (a micro-batch under ``fs.no_sync(keep="unsharded")``) the gathers only."""
     w, p = layout.shard_world, layout.precision
     flat = sum(u.pad for u in units.all)  # every unit reduced once (a bucket: the same bytes)
     gather_elems = gathered_per_step(units, layout) if w > 1 else 0
@@ -85,7 +86,7 @@ def _volumes(units: Units, layout: Layout) -> tuple[float, float, float]:
     ag, rs = gather_elems * p.param * f, rs_factor * flat * p.flat * f
     replicas = layout.world // w
     ar = 2 * (flat // w) * p.flat * (replicas - 1) / replicas
-    return ag, rs, ar
+    return (ag, rs, ar) if reduce else (ag, 0.0, 0.0)
 
 
 def _links(
@@ -106,17 +107,23 @@ def _links(
 
 
 def _exposed(
-    units: Units, layout: Layout, comm: float, compute: float, overlap: float, shard_bw: float
+    units: Units,
+    layout: Layout,
+    comm: float,
+    compute: float,
+    overlap: float,
+    shard_bw: float,
+    reduce: bool = True,
 ) -> float:
     """The data-parallel communication left on the critical path: the first all-gathers (the
     root, its tail and the first block or bucket) and the last reduce-scatters (the root and
-    its tail) overlap nothing; ``overlap`` of the rest hides under compute, and whatever
-    exceeds the compute time stays exposed."""
+    its tail; none without ``reduce``) overlap nothing; ``overlap`` of the rest hides under
+    compute, and whatever exceeds the compute time stays exposed."""
     f = (layout.shard_world - 1) / layout.shard_world
     root = units.root.pad + (units.tail.pad if units.tail else 0)
     block = units.block.pad * len(units.bucket_of(0) or (0,))
     first = (root + block) * layout.precision.param * f / shard_bw
-    last = root * layout.precision.flat * f / shard_bw
+    last = root * layout.precision.flat * f / shard_bw if reduce else 0.0
     rest = max(0.0, comm - first - last)
     return first + last + (1 - overlap) * rest + max(0.0, overlap * rest - compute)
 
@@ -131,12 +138,15 @@ def estimate_time(
     intra_gbps: float | None = None,
     inter_gbps: float | None = None,
     overlap: float | None = None,
+    reduce: bool = True,
 ) -> StepTime:
     """Step time of one GPU on ``device``: compute (``efficiency.py``), the data-parallel
     communication that overlap leaves exposed (:func:`_exposed`; ``overlap`` defaults to the
     device's), the tensor-parallel collectives, which sit between a block's matmuls (all
     exposed eager; compile and async TP hide a share), and the context-parallel ring, which
-    hides under attention."""
+    hides under attention. ``reduce=False``: a micro-batch accumulated under
+    ``fs.no_sync(keep="unsharded")``, which gathers as usual and reduces nothing
+    (``accumulate.py``)."""
     mfu = device.mfu if mfu is None else mfu
     overlap = device.overlap if overlap is None else overlap
     if not 0 < mfu <= 1 or not 0 <= overlap <= 1:
@@ -146,9 +156,9 @@ def estimate_time(
     dp, dp_work = cp_view(layout, work)  # FSDP over the flattened dp x cp mesh
     shard_bw, replicate_bw, tp_bw = _links(dp, device, intra_gbps, inter_gbps)
     units = plan_units(spec, dp)
-    ag, rs, ar = _volumes(units, dp)
+    ag, rs, ar = _volumes(units, dp, reduce)
     comm = (ag + rs) / shard_bw + ar / replicate_bw
-    exposed = _exposed(units, dp, comm, compute, overlap, shard_bw)
+    exposed = _exposed(units, dp, comm, compute, overlap, shard_bw, reduce)
     tp = tp_traffic(spec, dp, dp_work)
     tp_s = tp.bus_bytes / tp_bw
     tp_exposed = tp_s * (1 - tp_hidden_share(layout, work))
