@@ -47,7 +47,11 @@ class Decoder(nn.Module):
         self.config = config
         target = torch.empty(0).device  # the default device (possibly set by `with torch.device`)
         with torch.device("meta"):  # build without allocating or drawing random numbers
-            self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+            # Given its weight, nn.Embedding skips its own init: normal_ on a meta tensor goes
+            # through torch._refs and imports torch._dynamo (1-2 s in every process that builds
+            # a GPT); reset_parameters() below draws the weight on the target device.
+            weight = torch.empty(config.vocab_size, config.d_model)
+            self.tok_emb = nn.Embedding(config.vocab_size, config.d_model, _weight=weight)
             self.rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta)
             self.drop = nn.Dropout(config.dropout)
             self.layers = nn.ModuleList(make_block() for _ in range(config.n_layers))
