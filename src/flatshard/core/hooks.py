@@ -282,7 +282,7 @@ def _release_after_forward(state: ShardedState, unit: Unit, call: Call) -> None:
     last = state.forward_order.is_last(unit)
     keep_last = last and not state.tail_first and torch.is_grad_enabled()
     if unit.reshard_after_forward and not (call.kind is CallKind.REENTRANT or keep_last):
-        unit.reshard(state.timeout)
+        state.release(unit)  # not inside fs.pipeline_step(keep_gathered=True)
     if last and state.pool is not None and call.kind is CallKind.FORWARD:
         state.pool.trim()
 

@@ -115,6 +115,8 @@ class ShardedState:
         self._reduced: list[PendingReduce] = []
         self.final_callback_queued = False
         self.mode = StateMode.TRAIN
+        # Inside fs.pipeline_step(keep_gathered=True): see [Note: a stage kept gathered].
+        self.keep_gathered = False
         self.tp: TPGroups | None = None  # if the model has tensor-parallel parameters
         # What fs.shard and helpers registered on the modules; fs.unshard removes them.
         self.handles: list = []
@@ -208,13 +210,22 @@ class ShardedState:
         for unit in units:
             unit.start_gather()
 
+    def release(self, unit: Unit) -> None:
+        """The training hooks' release of ``unit``'s full buffers: skipped while a pipeline
+        step keeps the stage gathered ([Note: a stage kept gathered]), where only what a
+        reshard drops per backward pass goes (a bucket's recompute views)."""
+        if self.keep_gathered:
+            unit.backward_views = None
+        else:
+            unit.reshard(self.timeout)
+
     def reshard_all(self) -> None:
         for unit in self.units:
             if self.mode is not StateMode.SUMMONED:
                 unit.install_fragments()  # recompute views may still be installed
             unit.forward_pass = ForwardPass()  # a pass left open ends with the step
             if unit.state is not ParamState.SHARDED:
-                unit.reshard(self.timeout)
+                self.release(unit)
 
     # ---- gradient reduction ------------------------------------------------------------------
     def launch_reduce(self, unit: Unit) -> None:

@@ -112,7 +112,7 @@ def call_done(state: ShardedState, unit: Unit) -> None:
         if not state.mode.defers_reduction:
             state.launch_reduce(unit)
         unit.install_fragments()
-        unit.reshard(state.timeout)
+        state.release(unit)  # not inside fs.pipeline_step(keep_gathered=True)
         if state.prefetch_policy.backward == "post":
             state.prefetch(state.ahead(state.backward_order, unit))
 

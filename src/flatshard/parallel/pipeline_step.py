@@ -37,10 +37,27 @@ Tied parameters (an embedding on the first stage tied to the head on the last): 
 with ``fs.tie_across_stages(schedule, ...)``; leaving the block then gives every copy the sum
 of the copies' gradients (``parallel/pipeline_tied.py``).
 
-Gathers: a unit is released after each microbatch's backward pass (and after its forward under
-full_shard) and regathered at its next use, so a step holds one microbatch's units, at one
-gather per unit per microbatch forward and backward (plus one in a weight pass that finds its
-unit released).
+Gathers: by default a unit is released after each microbatch's backward pass (and after its
+forward under full_shard) and regathered at its next use, so a step holds one microbatch's
+units, at one gather per unit per microbatch forward and backward (plus one in a weight pass
+that finds its unit released). ``keep_gathered=True`` keeps the stage gathered for the whole
+step instead, as FSDP2 under torchtitan does: one gather per unit per step.
+
+[Note: a stage kept gathered]
+Inside ``pipeline_step(schedule, keep_gathered=True)`` every stage's ``ShardedState`` has
+``keep_gathered`` set, and ``ShardedState.release`` (the only release the training hooks
+call: after a forward pass, after a unit's last node of a backward pass, and at the end of
+each backward pass in ``finish_backward``'s deferred branch) leaves the full buffers in place.
+So a unit is gathered at its first use in the step and every later ``ensure_gathered`` finds
+it valid: one all-gather per unit per step. What the release does per pass still happens:
+fragments go back in place (``model.parameters()`` stays the fragments between calls) and a
+bucket's recompute views are dropped. The weight pass of a split backward unpacks its
+``SavedView``s from the same buffer (never released, so never regathered). Pooled groups hold
+their borrowed buffers all at once: the pool hands a live buffer to no one else and allocates
+as many as are held (``GatherPool.acquire``), then keeps only its usual few when they come
+back. Leaving the block clears the flag before the one reduction per unit, whose
+``reshard_all`` then releases every unit; an exception clears it and releases every unit too.
+Bitwise the same results as without the flag: the same shards gathered into the same values.
 """
 
 from __future__ import annotations
@@ -56,14 +73,27 @@ from flatshard.parallel.plain_schedule import clear_marks
 
 
 @contextmanager
-def pipeline_step(schedule) -> Iterator[None]:
+def pipeline_step(schedule, *, keep_gathered: bool = False) -> Iterator[None]:
     """One optimizer step of ``schedule`` (a ``torch.distributed.pipelining`` schedule whose
     stages wrap sharded modules): gradients are reduced once per unit, when the block ends,
     and scaled as the schedule scales them (``scale_grads``: divided by the microbatches).
     Every rank of the pipeline enters it around its ``schedule.step``. ``ValueError`` on every
     pp rank, before any step, for a stage module that is not sharded or too few microbatches
     for the schedule; copies declared with ``fs.tie_across_stages`` get their summed gradient
-    when the block ends."""
+    when the block ends.
+
+    ``keep_gathered=True``: a unit gathered once stays gathered until the block ends (no
+    release after a forward, nor after any microbatch's backward), then every unit is reduced
+    once and released: one all-gather and one reduce-scatter per unit per step, at the memory
+    of the whole stage's parameters gathered (FSDP2's ``reshard_after_forward=False`` under
+    torchtitan). Default False: units are released and regathered per microbatch. Pass the
+    same value on every rank (a stage's dp ranks must issue the same gathers). See [Note: a
+    stage kept gathered]."""
+    if not isinstance(keep_gathered, bool):  # a typo'd policy must not pass as truthy
+        raise ValueError(
+            f"fs.pipeline_step(schedule, keep_gathered={keep_gathered!r}): pass True (keep "
+            "each stage gathered for the step) or False (release after every microbatch)"
+        )
     stages = schedule_stages(schedule)
     check_schedule(schedule, stages)
     states, scale = _stage_states(schedule, stages)
@@ -75,6 +105,7 @@ def pipeline_step(schedule) -> Iterator[None]:
             )
     for state in states:
         state.mode = StateMode.PIPELINE
+        state.keep_gathered = keep_gathered
         clear_marks(state.root)  # a refused plain call came before (plain_schedule.py)
     # A later plain step() is exact too (plain_pipeline.py); not with ties, which it refuses.
     if getattr(schedule, TIES_ATTR, None) is None and reduces_once_per_stage(schedule):
@@ -83,16 +114,27 @@ def pipeline_step(schedule) -> Iterator[None]:
     try:
         yield
     except BaseException:
-        for state in states:  # nothing of a failed step may leak into the next one
-            state.mode = StateMode.TRAIN
-            for unit in state.units:
-                unit.reset_grad_state()
+        _abandon(states)
         raise
+    for state in states:  # before the reduction, whose reshard_all then releases every unit
+        state.keep_gathered = False
     for state in states:
         finish_step(state, scale)  # reduce each unit once, wait, agree on usage, assign .grad
     ties = getattr(schedule, TIES_ATTR, None)
     if ties is not None:  # after every stage's .grad is assigned: sum the tied copies
         ties.sum_gradients()
+
+
+def _abandon(states: list[ShardedState]) -> None:
+    """After an exception inside the block: nothing of the failed step may leak into the next
+    one (its kept gradients are dropped), and a stage kept gathered is released."""
+    for state in states:
+        state.mode = StateMode.TRAIN
+        for unit in state.units:
+            unit.reset_grad_state()
+        if state.keep_gathered:
+            state.keep_gathered = False
+            state.reshard_all()
 
 
 def _stage_states(schedule, stages: list) -> tuple[list[ShardedState], float]:
