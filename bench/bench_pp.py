@@ -84,6 +84,7 @@ class Runner:
     times: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     comm: list[dict[str, float]] = field(default_factory=list)
+    keep_gathered: bool = False  # flatshard: fs.pipeline_step(keep_gathered=...)
 
 
 def config_of(args: argparse.Namespace) -> GPTConfig:
@@ -114,7 +115,8 @@ def build(engine: str, args: argparse.Namespace, mesh: DeviceMesh) -> Runner:
 
     schedule = Schedule1F1B(stage, n_microbatches=args.microbatches, loss_fn=loss_fn)
     opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
-    return Runner(engine, module, schedule, opt, pp, n_stages)
+    keep = engine == "flatshard" and args.keep_gathered
+    return Runner(engine, module, schedule, opt, pp, n_stages, keep_gathered=keep)
 
 
 def batches(args: argparse.Namespace, mesh: DeviceMesh, n: int) -> list[torch.Tensor]:
@@ -142,7 +144,8 @@ def train_step(r: Runner, x: torch.Tensor) -> float:
     args = (x[:, :-1],) if first else ()
     dist.barrier()
     t0 = time.perf_counter()
-    with fs.pipeline_step(r.schedule) if flat else contextlib.nullcontext():
+    keep = r.keep_gathered
+    with fs.pipeline_step(r.schedule, keep_gathered=keep) if flat else contextlib.nullcontext():
         r.schedule.step(*args, **kwargs)
     r.opt.step()
     r.opt.zero_grad(set_to_none=True)
@@ -254,6 +257,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--strategy", default="full_shard", choices=("full_shard", "shard_grad_op"),
                    help="flatshard's (shard_grad_op: kept gathered after forward)")  # fmt: skip
+    p.add_argument("--keep-gathered", action="store_true",
+                   help="flatshard: fs.pipeline_step(keep_gathered=True), as FSDP2 keeps its "
+                        "stage gathered")  # fmt: skip
     p.add_argument("--json", help="write every figure here")
     args = p.parse_args()
     if args.rounds <= WARMUP:

@@ -39,7 +39,18 @@ SCRIPTS = {
     "bench_muon.py": (TORCHRUN, [*TINY, "--rounds", "1", "--seq", "8"]),
     "bench_pp.py": (
         TORCHRUN4,
-        [*TINY, "--layers", "2", "--rounds", "3", "--seq", "8", "--microbatches", "2"],
+        [
+            *TINY,
+            "--layers",
+            "2",
+            "--rounds",
+            "3",
+            "--seq",
+            "8",
+            "--microbatches",
+            "2",
+            "--keep-gathered",
+        ],
     ),
     "bench_tp.py": (
         TORCHRUN4,

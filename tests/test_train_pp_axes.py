@@ -142,7 +142,10 @@ def ep_runs(tmp_path_factory) -> dict:
 def hybrid_runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("train_pp_hybrid")
     base = [*write_inputs(root), *RUN, *NO_CKPT]
-    hybrid = ["--parallelism.pp", "2", "--parallel.strategy", "hybrid_shard"]
+    # the one trainer run that releases and regathers per microbatch (the others keep the
+    # stages gathered, the default): both ways must equal the 1-D run
+    hybrid = ["--parallelism.pp", "2", "--parallel.strategy", "hybrid_shard",
+              "--parallelism.pp_keep_gathered", "false"]  # fmt: skip
     done = {
         "h": _as_machines(4, 1, [*base, *hybrid, "--out", str(root / "h")]),
         "r": _train(*base, "--nproc", "2", "--out", str(root / "r")),

@@ -14,7 +14,10 @@ deferred), so every micro-batch gathers the parameters as an ordinary step does.
 compute, the exposed gathers, TP and CP as usual) plus one ordinary step, which reduces the
 accumulated flat gradients once. Under ``fs.pipeline_step`` the same holds per microbatch
 (``parallel/pipeline_step.py``: one gather per unit per microbatch forward and backward, one
-reduction per unit per step), which is how ``published.py`` models a pipeline that regathers.
+reduction per unit per step), and with ``keep_gathered=True`` the units gathered once stay so
+to the step's end: the accumulating microbatches gather nothing (``estimate_time(reduce=False,
+gather=False)``) and the last one is the ordinary step. ``published.py`` models its pipeline
+rows either way (``PublishedRun.keep_gathered``).
 
 Memory. Each unit's flat gradient (its padded size in the reduce dtype,
 ``core/reduce.flat_grad_from``) stays from the first micro-batch's backward to the last one's
@@ -79,12 +82,17 @@ def accumulated_step(
     work: Workload,
     device: Device,
     microbatches: int,
+    keep_gathered: bool = False,
     **time_kw: float | None,
 ) -> AccumulatedStep:
-    """The step of ``microbatches`` micro-batches of ``work`` (see the Note)."""
+    """The step of ``microbatches`` micro-batches of ``work`` (see the Note); with
+    ``keep_gathered`` the units stay gathered between them (``fs.pipeline_step(schedule,
+    keep_gathered=True)``): only the last one, an ordinary step, gathers."""
     n = check_grad_accum(microbatches)
     last = estimate_time(spec, layout, work, device, **time_kw)  # type: ignore[arg-type]
-    accum = estimate_time(spec, layout, work, device, reduce=False, **time_kw)
+    accum = estimate_time(
+        spec, layout, work, device, reduce=False, gather=not keep_gathered, **time_kw
+    )  # type: ignore[arg-type]
     step = (n - 1) * accum.step_s + last.step_s
     tokens = n * work.tokens / step / (layout.tp * layout.cp)
     return AccumulatedStep(n, accum, last, step, tokens)

@@ -74,12 +74,15 @@ class StepTime:
     peak and the step."""
 
 
-def _volumes(units: Units, layout: Layout, reduce: bool) -> tuple[float, float, float]:
+def _volumes(
+    units: Units, layout: Layout, reduce: bool, gather: bool = True
+) -> tuple[float, float, float]:
     """(all-gather, reduce-scatter, all-reduce) bus bytes per rank per step; without
-    ``reduce`` (a micro-batch under ``fs.no_sync(keep="unsharded")``) the gathers only."""
+    ``reduce`` (a micro-batch under ``fs.no_sync(keep="unsharded")``) the gathers only;
+    without ``gather`` (a microbatch whose units stay gathered) no all-gather."""
     w, p = layout.shard_world, layout.precision
     flat = sum(u.pad for u in units.all)  # every unit reduced once (a bucket: the same bytes)
-    gather_elems = gathered_per_step(units, layout) if w > 1 else 0
+    gather_elems = gathered_per_step(units, layout) if w > 1 and gather else 0
     f = (w - 1) / w
     # Gloo beyond gloo_p2p's ring (more than 8 ranks): an all-reduce of the flat gradient.
     rs_factor = 2 if layout.backend == "gloo" and w > MAX_P2P_WORLD else 1
@@ -114,6 +117,7 @@ def _exposed(
     overlap: float,
     shard_bw: float,
     reduce: bool = True,
+    gather: bool = True,
 ) -> float:
     """The data-parallel communication left on the critical path: the first all-gathers (the
     root, its tail and the first block or bucket) and the last reduce-scatters (the root and
@@ -122,7 +126,7 @@ def _exposed(
     f = (layout.shard_world - 1) / layout.shard_world
     root = units.root.pad + (units.tail.pad if units.tail else 0)
     block = units.block.pad * len(units.bucket_of(0) or (0,))
-    first = (root + block) * layout.precision.param * f / shard_bw
+    first = (root + block) * layout.precision.param * f / shard_bw if gather else 0.0
     last = root * layout.precision.flat * f / shard_bw if reduce else 0.0
     rest = max(0.0, comm - first - last)
     return first + last + (1 - overlap) * rest + max(0.0, overlap * rest - compute)
@@ -139,6 +143,7 @@ def estimate_time(
     inter_gbps: float | None = None,
     overlap: float | None = None,
     reduce: bool = True,
+    gather: bool = True,
 ) -> StepTime:
     """Step time of one GPU on ``device``: compute (``efficiency.py``), the data-parallel
     communication that overlap leaves exposed (:func:`_exposed`; ``overlap`` defaults to the
@@ -146,7 +151,8 @@ def estimate_time(
     exposed eager; compile and async TP hide a share), and the context-parallel ring, which
     hides under attention. ``reduce=False``: a micro-batch accumulated under
     ``fs.no_sync(keep="unsharded")``, which gathers as usual and reduces nothing
-    (``accumulate.py``)."""
+    (``accumulate.py``); ``gather=False`` also gathers nothing: a microbatch of a stage kept
+    gathered for the step (``fs.pipeline_step(keep_gathered=True)``)."""
     mfu = device.mfu if mfu is None else mfu
     overlap = device.overlap if overlap is None else overlap
     if not 0 < mfu <= 1 or not 0 <= overlap <= 1:
@@ -156,9 +162,9 @@ def estimate_time(
     dp, dp_work = cp_view(layout, work)  # FSDP over the flattened dp x cp mesh
     shard_bw, replicate_bw, tp_bw = _links(dp, device, intra_gbps, inter_gbps)
     units = plan_units(spec, dp)
-    ag, rs, ar = _volumes(units, dp, reduce)
+    ag, rs, ar = _volumes(units, dp, reduce, gather)
     comm = (ag + rs) / shard_bw + ar / replicate_bw
-    exposed = _exposed(units, dp, comm, compute, overlap, shard_bw, reduce)
+    exposed = _exposed(units, dp, comm, compute, overlap, shard_bw, reduce, gather)
     tp = tp_traffic(spec, dp, dp_work)
     tp_s = tp.bus_bytes / tp_bw
     tp_exposed = tp_s * (1 - tp_hidden_share(layout, work))

@@ -193,6 +193,11 @@ class ParallelConfig:
     stages_per_rank: int = 0
     """Stages each pp rank holds; 0 = 1 for GPipe and 1F1B, 2 for the others (the V-shaped
     ZBVZeroBubble and DualPipeV need exactly 2)."""
+    pp_keep_gathered: bool = True
+    """With pp: keep each stage's parameters gathered for the whole step
+    (fs.pipeline_step(keep_gathered=True): one all-gather per unit per step, as torchtitan's
+    FSDP2 stages); false releases and regathers them per microbatch (less memory, more
+    all-gathers)."""
     ep: int = 1
     """Expert-parallel degree (with model.experts > 0): each group of ep consecutive ranks
     splits every layer's experts (all-to-all dispatch); each expert is sharded over the
@@ -225,6 +230,10 @@ class ParallelConfig:
         _int("parallel.ep", self.ep, 1)
         _int("parallel.cp", self.cp, 1)
         _choice("parallel.cp_attention", self.cp_attention, CP_ATTENTIONS)
+        if not isinstance(self.pp_keep_gathered, bool):
+            raise TypeError(
+                f"parallel.pp_keep_gathered={self.pp_keep_gathered!r} must be true or false"
+            )
         if not isinstance(self.loss_parallel, bool):
             raise TypeError(f"parallel.loss_parallel={self.loss_parallel!r} must be true or false")
 

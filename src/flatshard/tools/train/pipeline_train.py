@@ -40,7 +40,8 @@ def _run_schedule(run: Run, batches: list[PackedBatch]) -> torch.Tensor:
     ids, labels, positions = stack(batches)
     args, kwargs = pipe.step_args(ids, labels)
     losses: list[torch.Tensor] = []
-    with fs.pipeline_step(pipe.schedule):  # one reduction per unit, when the step ends
+    keep = run.cfg.parallel.pp_keep_gathered  # one gather per unit per step (torchtitan's)
+    with fs.pipeline_step(pipe.schedule, keep_gathered=keep):  # one reduction per unit
         pipe.schedule.step(*args, **kwargs, losses=losses, position_ids=positions)
     if not losses:
         return torch.zeros((), device=run.env.device)
