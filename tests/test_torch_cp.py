@@ -38,6 +38,7 @@ def test_torch_cp_logits_equal_the_whole_rows(dist_pools, world, cp):
         assert "cannot train on the CPU" in result["refused"], (rank, result)
         assert "attention='ring'" in result["refused"], (rank, result)
         assert result["active_after"] is False, (rank, result)
+        assert "pass mesh['cp']" in result["group_refused"], (rank, result)
 
 
 def test_torch_cp_row_length_is_checked_with_the_fix():

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from flatshard.models import GPT, GPTConfig
-from flatshard.models.context_parallel import attach, split_rows
+from flatshard.models.context_parallel import ContextParallel, attach, split_rows
 from flatshard.packing import collate
 from flatshard.tools.train.cp_plan import cp_logits, local_batch
 
@@ -63,9 +63,15 @@ def case_torch_cp_matches_whole_rows(cp: int) -> dict:
     errors["torch_vs_whole"] = float((got - want).abs().max() / scale)
     errors["torch_vs_ring"] = float((got - ring).abs().max() / scale)
     try:  # a CPU pass that records gradients: refused with the fix, before any collective
+        # (a rank that issued one would leave the others waiting: the next call still works)
         cp_logits(with_torch, torch_context, mine)
         errors["refused"] = ""
     except RuntimeError as error:
         errors["refused"] = str(error)
     errors["active_after"] = torch_context.active
+    try:  # torch's style needs the DeviceMesh, not its process group
+        ContextParallel(mesh["cp"].get_group(), "torch")
+        errors["group_refused"] = ""
+    except TypeError as error:
+        errors["group_refused"] = str(error)
     return errors

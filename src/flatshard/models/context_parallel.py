@@ -121,26 +121,26 @@ class ContextParallel:
                 f"attention={attention!r} is not a context-parallel attention; pass one of "
                 f"{', '.join(map(repr, ATTENTIONS))}"
             )
-        mesh = group if isinstance(group, DeviceMesh) else None
-        if attention == "torch" and mesh is None:
+        self.torch: TorchContextAttention | None = None  # attention="torch" only
+        if isinstance(group, DeviceMesh):
+            if attention == "torch":
+                self.torch = TorchContextAttention(group)
+            group = group.get_group()
+        elif attention == "torch":
             raise TypeError(
                 "attention='torch' (torch's context parallelism) needs the cp DeviceMesh, not a "
                 "process group: pass mesh['cp']"
             )
-        self.group = mesh.get_group() if mesh is not None else group
-        self.attention = attention
-        self.cp, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        self.peers = ring_peers(self.group) if attention == "ring" else (0, 0)
-        self.torch = (
-            TorchContextAttention(mesh) if mesh is not None and attention == "torch" else None
-        )
+        self.group, self.attention = group, attention
+        self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.peers = ring_peers(group) if attention == "ring" else (0, 0)
         self.mask: torch.Tensor | None = None  # [B, 1, t, T] while attending ("allgather")
         self.layout: RingLayout | None = None  # while attending ("ring")
-        self.torch_active = False  # while attending ("torch": the block mask is built)
 
     @property
     def active(self) -> bool:
-        return self.mask is not None or self.layout is not None or self.torch_active
+        torch_active = self.torch is not None and self.torch.active
+        return self.mask is not None or self.layout is not None or torch_active
 
     @contextmanager
     def attending(self, document_ids: torch.Tensor) -> Iterator[None]:
@@ -148,6 +148,8 @@ class ContextParallel:
         rank's tokens' documents (head-tail split, ``-1`` padding), one small all-gather."""
         t = document_ids.shape[1]
         T, device = t * self.cp, document_ids.device
+        if self.torch is not None:
+            self.torch.check(T, device)  # before the collective below: every rank alike
         positions = [head_tail_indices(T, self.cp, r, device) for r in range(self.cp)]
         with torch.no_grad():
             k_doc = _GatherKeys.apply(document_ids, self.group)  # [B, T] in rank order
@@ -160,7 +162,6 @@ class ContextParallel:
             row_documents = torch.empty_like(k_doc)
             row_documents[:, torch.cat(positions)] = k_doc  # rank order -> row order
             self.torch.prepare(row_documents)
-            self.torch_active = True
         else:
             q_pos, k_pos = positions[self.rank], torch.cat(positions)  # [t], [T]
             causal = k_pos[None, :] <= q_pos[:, None]  # [t, T]
@@ -170,7 +171,6 @@ class ContextParallel:
             yield
         finally:
             self.mask = self.layout = None
-            self.torch_active = False
             if self.torch is not None:
                 self.torch.release()
 
@@ -180,8 +180,7 @@ class ContextParallel:
         if self.layout is not None:
             y = ring_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.layout)
             return y.transpose(1, 2)  # [B, t, H, D]
-        if self.torch_active:
-            assert self.torch is not None
+        if self.torch is not None and self.torch.active:
             y = self.torch.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
             return y.transpose(1, 2)  # [B, t, H, D]
         k_all = _GatherKeys.apply(k, self.group)  # [B, T, KV, D]

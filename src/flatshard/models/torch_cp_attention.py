@@ -5,8 +5,8 @@ The third way across the cp group (beside flatshard's ring and all-gather, see
 [Note: head-tail context parallelism] in ``models/context_parallel.py``) is torch's: the
 attention call is FlexAttention wrapped by torch's ``_ContextParallel`` style (a forward pre-hook
 that all-gathers the keys and values over the cp mesh with torch's ``flex_cp_allgather``, whose
-backward reduce-scatters their gradients), with a block mask sharded by torch's
-``_context_parallel_shard`` and its ``_HeadTailLoadBalancer``. That is torchtitan's recipe for
+backward reduce-scatters their gradients), with a block mask sharded by torch's head-tail
+balancer (``_HeadTailLoadBalancer``). That is torchtitan's recipe for
 FlexAttention under context parallelism (its ``cp_shard``), kept to what the GPT needs:
 
 * **The same shares as flatshard's split.** torch's head-tail balancer gives cp rank ``r``
@@ -23,8 +23,8 @@ FlexAttention under context parallelism (its ``cp_shard``), kept to what the GPT
 * **Where it runs.** FlexAttention has no CPU backward in torch 2.13, so training with it needs
   an accelerator; on CUDA the attention call is ``torch.compile``-d (eager FlexAttention
   materialises every score). On the CPU it runs forward only (what the tests check: its outputs
-  equal the ring's and the whole row's). ``attending`` refuses a CPU pass that records
-  gradients, naming the fix.
+  equal the ring's and the whole row's). :meth:`TorchContextAttention.check` refuses a CPU pass
+  that records gradients, naming the fix, before the micro-batch's first collective.
 * **Row length.** torch shards the block mask in blocks of 128 tokens per cp rank, so a row must
   be a multiple of ``cp * 128`` (and of ``2 * cp``, for the head-tail split):
   :func:`check_row_length` says so before anything runs.
@@ -39,15 +39,20 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["MASK_BLOCK", "TorchContextAttention", "check_row_length"]
+__all__ = ["MASK_BLOCK", "TorchContextAttention", "check_row_length", "row_fits"]
 
 MASK_BLOCK = 128  # torch's default FlexAttention block, the unit of its sharded block mask
+
+
+def row_fits(seq_len: int, cp: int) -> bool:
+    """Whether torch's sharded block mask can split a row of ``seq_len`` over ``cp`` ranks."""
+    return seq_len % (cp * MASK_BLOCK) == 0 and seq_len % (2 * cp) == 0
 
 
 def check_row_length(seq_len: int, cp: int) -> None:
     """Refuse a row that torch's sharded block mask cannot split (see the note above)."""
     unit = cp * MASK_BLOCK
-    if seq_len % unit or seq_len % (2 * cp):
+    if not row_fits(seq_len, cp):
         raise ValueError(
             f"seq_len={seq_len} is not a multiple of cp * {MASK_BLOCK} = {unit}: torch's "
             "context-parallel FlexAttention shards its block mask in blocks of "
@@ -99,36 +104,43 @@ class TorchContextAttention:
         parallelize_module(self.call, mesh, style)
         self.block_mask: Any = None  # torch's BlockMask for this rank's queries, per micro-batch
 
-    def prepare(self, row_documents: torch.Tensor) -> None:
-        """Build this rank's block mask from ``row_documents [B, T]``: the whole rows' document
+    def check(self, seq_len: int, device: torch.device) -> None:
+        """Refuse a micro-batch this attention cannot run (every rank alike, before any
+        collective): a row torch cannot split, or a CPU pass that records gradients."""
+        check_row_length(seq_len, self.cp)
+        if device.type == "cpu" and torch.is_grad_enabled():
+            raise RuntimeError(
+                "attention='torch' (torch's context-parallel FlexAttention) cannot train on the "
+                "CPU: torch 2.13's FlexAttention has no CPU backward; use attention='ring' or "
+                "'allgather' (flatshard's own, on every device), or run on a GPU"
+            )
+
+    def prepare(self, documents: torch.Tensor) -> None:
+        """Build this rank's block mask from ``documents [B, T]``: the whole rows' document
         ids in row order (``-1``: padding)."""
         from torch.distributed.tensor.experimental._context_parallel import _HeadTailLoadBalancer
         from torch.distributed.tensor.experimental._context_parallel._attention import (
             _create_cp_block_mask,
         )
 
-        B, T = row_documents.shape
-        check_row_length(T, self.cp)
-        if row_documents.device.type == "cpu" and torch.is_grad_enabled():
-            raise RuntimeError(
-                "attention='torch' (torch's context-parallel FlexAttention) cannot train on the "
-                "CPU: torch 2.13's FlexAttention has no CPU backward; use attention='ring' or "
-                "'allgather' (flatshard's own, on every device), or run on a GPU"
-            )
-        documents = row_documents
+        B, T = documents.shape
 
         def same_document_causal(b, h, q_idx, kv_idx):  # row positions (torch maps them)
             return (kv_idx <= q_idx) & (documents[b, q_idx] == documents[b, kv_idx])
 
         # What torch's _context_parallel_shard does for a BlockMask, without first building the
         # whole row's mask (which it would discard): this rank's query blocks, compiled.
-        balancer = _HeadTailLoadBalancer(T, self.cp, row_documents.device)
+        balancer = _HeadTailLoadBalancer(T, self.cp, documents.device)
         self.block_mask = _create_cp_block_mask(
             same_document_causal, B, 1, T, T, self.mesh, balancer
         )
 
     def release(self) -> None:
         self.block_mask = None
+
+    @property
+    def active(self) -> bool:
+        return self.block_mask is not None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q [B, H, t, D]``, ``k``/``v [B, KV, t, D]`` (this rank's) -> ``[B, H, t, D]``."""

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from flatshard.models.context_parallel import ContextParallel, attach, split_rows
-from flatshard.models.torch_cp_attention import MASK_BLOCK, check_row_length
+from flatshard.models.torch_cp_attention import check_row_length, row_fits
 from flatshard.packing import PackedBatch
 from flatshard.tools.train.config import TrainConfig
 
@@ -93,7 +93,7 @@ def resolve_cp_attention(cfg: TrainConfig, device_type: str) -> str:
     chosen = cfg.parallel.cp_attention
     if chosen != "auto":
         return chosen
-    fits = cfg.data.seq_len % (cfg.parallel.cp * MASK_BLOCK) == 0
+    fits = row_fits(cfg.data.seq_len, cfg.parallel.cp)
     return "torch" if device_type == "cuda" and fits else "ring"
 
 
